@@ -1,0 +1,35 @@
+# `make demo` and `make test` work on a fresh machine: they build .venv/ when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is pinned to the CPU wheel that lies on disk: a looser pin downloads gigabytes.
+TORCH := torch==2.13.0
+
+.PHONY: demo test bench lint clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) install -q $(TORCH) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py --deepspeed_config examples/configs/zero2.json
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/run.py
+
+lint: $(VENV)/.test
+	$(PIP) install -q ruff mypy
+	$(VENV)/bin/ruff check zerospeed tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
