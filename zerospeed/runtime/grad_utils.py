@@ -1,0 +1,66 @@
+"""Gradient arithmetic every optimizer wrapper shares: overflow check, global norm, unscale + clip.
+
+The norm is accumulated in float64 as DeepSpeed does, so fp32 runs reproduce torch's
+`clip_grad_norm_` within rounding. For partitioned gradients pass the data-parallel `group`: the
+squares are summed over ranks before the square root. Replicated gradients pass `group=None`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+
+_CLIP_EPS = 1e-6
+
+
+def any_non_finite(tensors: Iterable[torch.Tensor], group: Any = None, reduce: bool = True) -> bool:
+    """True when any tensor here (or, with `reduce`, on any rank of `group`) holds inf or nan."""
+    flags = [(~torch.isfinite(t)).any() for t in tensors]
+    local = torch.stack(flags).any().to(torch.float32) if flags else torch.zeros(())
+    local = local.reshape(1)
+    if reduce and comm.is_initialized():
+        comm.all_reduce(local, op=comm.ReduceOp.MAX, group=group)
+    return bool(local.item() > 0)
+
+
+def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared elements of all tensors, in float64 (0-dim tensor on the first tensor's device)."""
+    total: torch.Tensor | None = None
+    for tensor in tensors:
+        part = torch.linalg.vector_norm(tensor, dtype=torch.float64) ** 2
+        total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
+def global_norm(tensors: Iterable[torch.Tensor], group: Any = None, partitioned: bool = False) -> float:
+    """L2 norm over all elements; with `partitioned`, each rank holds a disjoint part of the vector."""
+    squares = sum_of_squares(tensors).reshape(1)
+    if partitioned and comm.is_initialized():
+        comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=group)
+    return math.sqrt(float(squares.item()))
+
+
+def unscale_and_clip_factor(scaled_norm: float, loss_scale: float, clip_grad: float) -> float:
+    """The number every gradient is divided by: the loss scale, times the clip ratio when clipping.
+
+    `scaled_norm` is the norm of the still-scaled gradients; DeepSpeed's formula (reference §4.3).
+    """
+    combined = loss_scale
+    if clip_grad > 0:
+        clip = ((scaled_norm / loss_scale) + _CLIP_EPS) / clip_grad
+        if clip > 1:
+            combined = clip * loss_scale
+    return combined
+
+
+def scale_(tensors: Iterable[torch.Tensor], factor: float) -> None:
+    if factor == 1.0:
+        return
+    tensors = list(tensors)
+    if tensors:
+        torch._foreach_mul_(tensors, factor)
