@@ -1,0 +1,1 @@
+"""The `zerospeed` launcher (DeepSpeed's `deepspeed` command). Imports no training code."""

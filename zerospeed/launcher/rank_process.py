@@ -1,0 +1,155 @@
+"""One local rank as an OS process: its own session, a tee of its stderr, a clean kill.
+
+Each rank is started in a new session (``start_new_session=True``, as torch elastic's
+``SubprocessHandler`` does), so the rank and everything it forks (data loader workers,
+compilers) form one process group that ``os.killpg`` stops at once. Its stderr goes through a
+pipe: a thread copies every line to the launcher's stderr (or the rank's log file) and keeps the
+last lines, so the failing rank's traceback can be printed again, labelled, at the end.
+
+A script decorated with torch elastic's ``@record`` also writes a structured error file
+(``TORCHELASTIC_ERROR_FILE``); when present its traceback is preferred over the stderr tail.
+
+[Note: gloo teardown abort]
+With gloo, ``destroy_process_group()`` at interpreter exit aborts about one run in ten
+(``terminate called without an active exception`` then SIGABRT) after all work is done.
+``looks_like_teardown_abort()`` recognizes exactly that: killed by SIGABRT, and the last line on
+stderr is that message (no Python traceback after it). The supervisor treats such a rank as a
+*suspect*, not a failure: if every other local rank then exits 0 the node succeeds (with a
+warning); if another rank fails, that rank is the failure; if the others are still running
+after a grace period, the abort counts as a real failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+__all__ = ["RankProcess", "RankSpec", "stop_all"]
+
+_TAIL_LINES = 200
+_TEARDOWN_MESSAGE = "terminate called without an active exception"
+
+
+@dataclass
+class RankSpec:
+    """What to start for one local rank: plain data, built by ``launch.build_rank_specs``."""
+
+    rank: int
+    local_rank: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class RankProcess:
+    """A started rank: ``poll()``, ``stop()``, and its failure text once it has exited."""
+
+    def __init__(self, spec: RankSpec, host: str, error_file: str, log_path: str | None = None):
+        self.spec = spec
+        self.host = host
+        self.error_file = error_file
+        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._log: IO[bytes] | None = open(log_path, "ab") if log_path else None  # noqa: SIM115
+        env = {**os.environ, **spec.env, "TORCHELASTIC_ERROR_FILE": error_file}
+        self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self._tee = threading.Thread(target=self._copy_stderr, name=f"tee-rank{spec.rank}", daemon=True)
+        self._tee.start()
+
+    def _copy_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        sink = self._log if self._log is not None else sys.stderr.buffer
+        for line in iter(self.proc.stderr.readline, b""):
+            self._tail.append(line.decode(errors="replace").rstrip("\n"))
+            try:
+                sink.write(line)
+                sink.flush()
+            except (OSError, ValueError):  # our own stderr is gone (e.g. ssh closed): keep the tail
+                pass
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """Signal the rank's whole process group; also after the rank itself has exited."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def finish(self) -> None:
+        """After the rank has exited: let the tee drain, close the log."""
+        self._tee.join(timeout=2.0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def looks_like_teardown_abort(self) -> bool:
+        """True for gloo's exit-time abort (see [Note: gloo teardown abort])."""
+        if self.poll() != -signal.SIGABRT:
+            return False
+        self._tee.join(timeout=1.0)
+        lines = [line for line in self._tail if line.strip()]
+        return bool(lines) and _TEARDOWN_MESSAGE in lines[-1]
+
+    def describe_exit(self) -> str:
+        code = self.poll()
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def failure_text(self) -> str:
+        """The traceback: from the ``@record`` error file if any, else the tail of stderr."""
+        from_file = _read_error_file(self.error_file)
+        if from_file:
+            return from_file
+        lines = list(self._tail)
+        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+        if starts:
+            return "\n".join(lines[starts[-1]:])
+        return "\n".join(lines[-30:]) if lines else "(the rank wrote nothing to stderr)"
+
+
+def _read_error_file(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        return str(stack or message.get("message") or message)
+    return str(message) if message else None
+
+
+def stop_all(ranks: list[RankProcess], grace_s: float) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after ``grace_s``."""
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(r.poll() is None for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for rank in ranks:
+        # Also for ranks that already exited: their forked children share the group.
+        rank.signal_group(signal.SIGKILL)
+    for rank in ranks:
+        try:
+            rank.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (D state): nothing more to do
+            pass
+        rank.finish()
