@@ -1,5 +1,97 @@
 """zerospeed: DeepSpeed's interface, a lean runtime. `import zerospeed as deepspeed` and go."""
 
-from zerospeed.version import __version__, __version_major__, __version_minor__, __version_patch__
+from __future__ import annotations
 
-__all__ = ["__version__", "__version_major__", "__version_minor__", "__version_patch__"]
+import argparse
+from typing import Any
+
+from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.comm import init_distributed
+from zerospeed.utils.logging import log_dist, logger
+from zerospeed.version import (
+    __git_branch__,
+    __git_hash__,
+    __version__,
+    __version_major__,
+    __version_minor__,
+    __version_patch__,
+)
+
+dist = None  # DeepSpeed's module global: `zerospeed.comm` once initialize() has run
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Build the training engine; returns `(engine, optimizer, training_dataloader, lr_scheduler)`."""
+    global dist
+    from zerospeed.runtime.engine import DeepSpeedEngine
+
+    log_dist(f"zerospeed info: version={__version__}", ranks=[0])
+    assert model is not None, "deepspeed.initialize requires a model"
+    init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                     distributed_port=distributed_port, dist_init_required=dist_init_required)
+    dist = comm
+    config = _resolve_config_source(args, config if config is not None else config_params)
+    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _resolve_config_source(args: Any, config: Any) -> Any:
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        logger.warning("--deepscale_config is deprecated, use --deepspeed_config")
+        args.deepspeed_config = args.deepscale_config
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        assert config is None, "Not sure how to proceed, we were given deepspeed configs in the deepspeed " \
+                               "arguments and deepspeed.initialize() function call"
+        config = args.deepspeed_config
+    assert config is not None, "DeepSpeed requires --deepspeed_config to specify configuration file"
+    return config
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's argparse group: --deepspeed, --deepspeed_config (and the deprecated deepscale)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def __getattr__(name: str) -> Any:
+    # Heavy pieces load on first use so `import zerospeed` stays cheap.
+    if name == "DeepSpeedEngine":
+        from zerospeed.runtime.engine import DeepSpeedEngine
+
+        return DeepSpeedEngine
+    if name in ("DeepSpeedConfig", "DeepSpeedConfigError"):
+        from zerospeed.runtime import config as config_module
+
+        return getattr(config_module, name)
+    if name == "DeepSpeedOptimizer":
+        from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+        return DeepSpeedOptimizer
+    if name == "DeepSpeedDataLoader":
+        from zerospeed.runtime.dataloader import DeepSpeedDataLoader
+
+        return DeepSpeedDataLoader
+    if name == "zero":
+        import importlib
+
+        return importlib.import_module("zerospeed.zero")
+    raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
+
+
+__all__ = [
+    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedDataLoader", "DeepSpeedEngine", "DeepSpeedOptimizer",
+    "__git_branch__", "__git_hash__", "__version__", "__version_major__", "__version_minor__",
+    "__version_patch__", "add_config_arguments", "comm", "dist", "get_accelerator", "init_distributed",
+    "initialize", "log_dist", "logger",
+]

@@ -1,0 +1,65 @@
+"""Stage 0 through `zerospeed.initialize` equals single-process PyTorch on the same global batch."""
+
+import pytest
+import torch
+
+import zerospeed
+from distributed import run_on_ranks
+from parity import (assert_close_relative, ds_optimizer_block, global_batches, make_model, micro_batch,
+                    reference_run)
+
+NUM_STEPS, GLOBAL_BATCH, LR, WEIGHT_DECAY = 10, 16, 1e-2, 0.01
+
+
+def _train(world_size, gas, kind, clip, extra_config=None):
+    rank = torch.distributed.get_rank()
+    micro = GLOBAL_BATCH // (gas * world_size)
+    config = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas,
+              "optimizer": ds_optimizer_block(kind, LR, WEIGHT_DECAY), "gradient_clipping": clip,
+              **(extra_config or {})}
+    engine, _, _, _ = zerospeed.initialize(model=make_model(), config=config)
+    assert engine.train_micro_batch_size_per_gpu() == micro
+    losses = []
+    for batch in global_batches(NUM_STEPS, GLOBAL_BATCH):
+        for k in range(gas):
+            loss = engine(*micro_batch(batch, k, rank, micro, world_size))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    return losses, params, engine.global_steps, engine.micro_steps, engine.get_global_grad_norm()
+
+
+def _check_against_reference(results, world_size, gas, kind, clip, rtol=1e-6):
+    ref_losses, ref_params = reference_run(make_model(), global_batches(NUM_STEPS, GLOBAL_BATCH), kind, LR,
+                                           WEIGHT_DECAY, clip)
+    per_rank_losses = torch.tensor([r[0] for r in results])  # [rank, step * gas + k]
+    step_losses = per_rank_losses.view(world_size, NUM_STEPS, gas).mean(dim=(0, 2))
+    assert_close_relative(step_losses, torch.tensor(ref_losses), rtol, "losses")
+    for _, params, global_steps, micro_steps, _ in results:
+        assert (global_steps, micro_steps) == (NUM_STEPS, NUM_STEPS * gas)
+        for name, expected in ref_params.items():
+            assert_close_relative(params[name], expected, rtol, name)
+
+
+CASES = [(w, g, kind, clip) for w in (1, 2, 4) for g in (1, 4) for kind in ("Adam", "AdamW", "SGD")
+         for clip in (0.0, 0.05) if w == 2 or (kind == "AdamW")]
+
+
+@pytest.mark.parametrize("world_size,gas,kind,clip", CASES)
+def test_stage0_matches_single_process_torch(world_size, gas, kind, clip):
+    results = run_on_ranks(_train, world_size, world_size, gas, kind, clip)
+    _check_against_reference(results, world_size, gas, kind, clip)
+
+
+def test_clipping_is_active_in_the_clipped_cases():
+    """The clip value used above really clips: the unclipped grad norm is larger than it."""
+    results = run_on_ranks(_train, 2, 2, 1, "AdamW", 0.0)
+    assert results[0][4] > 0.05
+
+
+@pytest.mark.parametrize("extra", [{"prescale_gradients": True}, {"gradient_predivide_factor": 2.0},
+                                   {"zero_optimization": {"stage": 0, "reduce_bucket_size": 50}}])
+def test_averaging_variants_and_small_buckets_give_the_same_result(extra):
+    results = run_on_ranks(_train, 2, 2, 2, "AdamW", 0.0, extra)
+    _check_against_reference(results, 2, 2, "AdamW", 0.0, rtol=1e-5)

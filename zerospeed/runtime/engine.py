@@ -1,0 +1,237 @@
+"""`DeepSpeedEngine`: the sequencing of forward / backward / step / save / load.
+
+The engine decides *when* things happen — micro-steps, accumulation boundaries, skipped steps,
+the scheduler, logging — and delegates *how* to the optimizer wrapper chosen once by
+`build_optimizer_wrapper` (see [Note: engine / optimizer contract] in base_optimizer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.runtime.config import DeepSpeedConfig
+from zerospeed.runtime.dataloader import DeepSpeedDataLoader
+from zerospeed.runtime.engine_accessors import EngineAccessors
+from zerospeed.runtime.engine_setup import (
+    broadcast_module_from_rank0,
+    build_lr_scheduler,
+    cast_inputs,
+    configure_basic_optimizer,
+)
+from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
+from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.utils.logging import log_dist, logger
+
+
+class DeepSpeedEngine(EngineAccessors, torch.nn.Module):
+    def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+                 model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+                 mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
+                 config: Any = None, config_class: DeepSpeedConfig | None = None, **_: Any) -> None:
+        super().__init__()
+        assert model is not None, "deepspeed.initialize requires a model"
+        self._init_counters()
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else comm.get_world_group()
+        self.dp_world_size = comm.get_world_size(self.dp_group)
+        self.global_rank = comm.get_rank()
+        self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
+        self._apply_log_level()
+        self.precision = PrecisionSettings.from_config(self._config)
+        self.communication_data_type = self.precision.communication_dtype
+        self.local_rank = comm.get_local_rank()
+        self.device = self._init_device()
+        comm.configure(self._config.comms_config)
+        self._init_module(model)
+        self.training_dataloader = self._init_dataloader(training_data, collate_fn)
+        self.optimizer: Any = None
+        self.basic_optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        if optimizer is not None or self._config.optimizer_name is not None:
+            self._init_optimizer(optimizer, model_parameters)
+            self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
+            self._report_progress(0)
+        self._init_monitoring()
+
+    # --- setup ------------------------------------------------------------------------------------
+    def _init_counters(self) -> None:
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.gas_boundary_ctr = 0
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._inside_no_sync = False
+        self._boundary_override: bool | None = None
+
+    def _apply_log_level(self) -> None:
+        if self._config.log_level:
+            logger.setLevel(getattr(logging, str(self._config.log_level).upper()))
+
+    def _init_device(self) -> torch.device:
+        accelerator = get_accelerator()
+        if accelerator.device_name() != "cpu":
+            accelerator.set_device(self.local_rank)
+            return accelerator.device(self.local_rank)
+        return torch.device("cpu")
+
+    def _init_module(self, model: torch.nn.Module) -> None:
+        self.module = model
+        if self.precision.low_precision:
+            for param in model.parameters():
+                if param.is_floating_point():
+                    param.data = param.data.to(self.precision.param_dtype)
+        model.to(self.device)
+        broadcast_module_from_rank0(model, self.dp_group)
+        self.param_names = {param: name for name, param in model.named_parameters()}
+
+    def _init_dataloader(self, training_data: Any, collate_fn: Any) -> DeepSpeedDataLoader | None:
+        if training_data is None:
+            return None
+        return DeepSpeedDataLoader(
+            training_data, batch_size=self.train_micro_batch_size_per_gpu(), pin_memory=True,
+            local_rank=self.local_rank, collate_fn=collate_fn,
+            data_parallel_world_size=self.dp_world_size, data_parallel_rank=comm.get_rank(self.dp_group),
+            dataloader_drop_last=self._config.dataloader_drop_last)
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, collate_fn: Any = None,
+                     **kwargs: Any) -> DeepSpeedDataLoader:
+        return DeepSpeedDataLoader(
+            dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), pin_memory=True,
+            local_rank=self.local_rank, collate_fn=collate_fn, data_parallel_world_size=self.dp_world_size,
+            data_parallel_rank=comm.get_rank(self.dp_group), dataloader_drop_last=self._config.dataloader_drop_last)
+
+    def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
+        self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
+                                                         model_parameters)
+        self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,
+                                                 self.dp_group, self.param_names, self.module)
+
+    def _init_monitoring(self) -> None:
+        from zerospeed.runtime.engine_monitoring import EngineMonitoring
+
+        self.monitoring = EngineMonitoring(self._config, self.train_batch_size())
+
+    # --- forward / backward / step ------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.monitoring.start("fwd")
+        if self._config.fp16_enabled and self._config.fp16.auto_cast:
+            inputs, kwargs = cast_inputs(inputs, kwargs, torch.float16)
+        output = self.module(*inputs, **kwargs)
+        self.monitoring.stop("fwd")
+        return output
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        assert self.optimizer is not None, "must provide an optimizer (client or config) to call backward"
+        assert loss.dim() == 0 and loss.requires_grad, "backward expects a scalar loss with a grad_fn"
+        self.monitoring.start("bwd")
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        self.monitoring.record_loss(loss.detach(), self.gradient_accumulation_steps() if scale_wrt_gas else 1)
+        self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+        if not self._inside_no_sync:
+            self.monitoring.start("bwd_allreduce")
+            self.optimizer.backward_epilogue(self.is_gradient_accumulation_boundary())
+            self.monitoring.stop("bwd_allreduce")
+        self.monitoring.stop("bwd")
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        self._boundary_override = is_boundary
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        assert not self._inside_no_sync, "It is illegal to call Engine.step() inside no_sync context manager"
+        assert self.optimizer is not None, "must provide an optimizer (client or config) to call step"
+        if self.is_gradient_accumulation_boundary():
+            self.monitoring.start("step")
+            self.gas_boundary_ctr += 1
+            self._take_model_step(lr_kwargs)
+            self.monitoring.stop("step")
+            self.monitoring.on_boundary(self)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        self.optimizer.step()
+        self._global_grad_norm = self.optimizer.get_global_grad_norm()
+        self.optimizer.zero_grad()
+        overflow = bool(self.optimizer.overflow)
+        self._step_applied = not overflow
+        if overflow:
+            self.skipped_steps += 1
+            logger.warning("[Rank %d] step %d skipped: gradients overflowed; loss scale now %s "
+                           "(%d steps skipped so far)", self.global_rank, self.global_steps + 1,
+                           self.optimizer.cur_scale, self.skipped_steps)
+        elif self.lr_scheduler is not None:
+            self._step_scheduler(lr_kwargs or {})
+        steps_per_print = self.steps_per_print()
+        if steps_per_print and (self.global_steps + 1) % steps_per_print == 0:
+            self._report_progress(self.global_steps + 1)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _step_scheduler(self, lr_kwargs: dict[str, Any]) -> None:
+        try:
+            self.lr_scheduler.step(**lr_kwargs)
+        except TypeError:
+            self.lr_scheduler.step(self.train_batch_size())  # Megatron's scheduler signature
+
+    def _report_progress(self, step: int) -> None:
+        log_dist(f"step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}", ranks=[0])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        assert self.zero_optimization_stage() < 2, \
+            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self.zero_optimization_stage()}"
+        assert not self._inside_no_sync, "no_sync context manager reentry is unsupported"
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def zero_grad(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "DeepSpeedEngine":
+        self.module.eval()
+        return self
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for lp params, grads, fp32 masters and optimizer states (ours)."""
+        return self.optimizer.memory_breakdown()
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size % per_step != 0:
+            raise ValueError("Train batch size must be divisible by micro-batch data parallelism")
+        self._config.gradient_accumulation_steps = train_batch_size // per_step
+        self._config.train_batch_size = train_batch_size
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        self._config.train_micro_batch_size_per_gpu = micro_batch_size
+        self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module keeps submodules in _modules; after that, fall back to the wrapped module.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            return getattr(module, name)

@@ -1,0 +1,67 @@
+"""Setup steps of `DeepSpeedEngine.__init__` that are not sequencing: parameter broadcast, the
+basic optimizer, the LR scheduler, input casting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.optimizer_factory import build_basic_optimizer
+
+
+@torch.no_grad()
+def broadcast_module_from_rank0(module: torch.nn.Module, group: Any) -> None:
+    """Every rank starts from the source rank's parameters and buffers (DeepSpeed broadcasts params)."""
+    if comm.get_world_size(group) == 1:
+        return
+    source = comm.get_global_rank(group, 0)
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        comm.broadcast(tensor.data, src=source, group=group)
+
+
+def configure_basic_optimizer(config: Any, module: torch.nn.Module, client_optimizer: Any,
+                              model_parameters: Any) -> torch.optim.Optimizer:
+    """The client's optimizer (an instance, or a callable given the params), else the config's."""
+    params = model_parameters if model_parameters is not None else module.parameters()
+    if client_optimizer is not None:
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            return client_optimizer
+        if callable(client_optimizer):
+            return client_optimizer(params)
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(client_optimizer)}")
+    offload = _offloads_optimizer(config)
+    return build_basic_optimizer(config.optimizer_name, config.optimizer_params, params, offload=offload)
+
+
+def _offloads_optimizer(config: Any) -> bool:
+    offload = getattr(config.zero_config, "offload_optimizer", None)
+    return offload is not None and str(getattr(offload, "device", "none")).lower().endswith(("cpu", "nvme"))
+
+
+def build_lr_scheduler(config: Any, optimizer: torch.optim.Optimizer | None, client_scheduler: Any) -> Any:
+    """The client's scheduler (an instance, or a callable given the optimizer), else the config's."""
+    if client_scheduler is not None:
+        return client_scheduler(optimizer) if callable(client_scheduler) and not hasattr(client_scheduler, "step") \
+            else client_scheduler
+    if config.scheduler_name is None:
+        return None
+    from zerospeed.runtime.lr_schedules import build_lr_scheduler as build_named
+
+    return build_named(config.scheduler_name, config.scheduler_params or {}, optimizer)
+
+
+def cast_inputs(inputs: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """fp16.auto_cast: floating-point inputs (recursing into lists, tuples, dicts) to `dtype`."""
+
+    def cast(value: Any) -> Any:
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v) for v in value)
+        if isinstance(value, dict):
+            return {k: cast(v) for k, v in value.items()}
+        return value
+
+    return cast(inputs), cast(kwargs)

@@ -1,0 +1,115 @@
+"""Building the optimizer: the basic (torch) optimizer from the `optimizer` block or the client,
+then the one wrapper the ZeRO stage and precision call for. The engine branches on the stage here,
+once, and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer
+from zerospeed.runtime.fp16.loss_scaler import LossScaler, create_loss_scaler
+from zerospeed.runtime.precision import PrecisionSettings
+
+# DeepSpeed's own optimizer names (matched case-insensitively); anything else is a torch.optim name.
+ADAM, ADAMW, ADAGRAD, LAMB, LION, SGD = "adam", "adamw", "adagrad", "lamb", "lion", "sgd"
+
+
+def _group_params(model_parameters: Any) -> list[Any]:
+    """Param groups with no params are dropped; a param in two groups is an error (as DeepSpeed)."""
+    params = list(model_parameters)
+    if params and isinstance(params[0], dict):
+        params = [group for group in params if len(list(group["params"])) > 0]
+        seen: set[int] = set()
+        for group in params:
+            group["params"] = list(group["params"])
+            for param in group["params"]:
+                if id(param) in seen:
+                    raise ValueError("A parameter appears in more than one optimizer param group")
+                seen.add(id(param))
+    return params
+
+
+def build_basic_optimizer(name: str, params: dict[str, Any] | None, model_parameters: Iterable[Any],
+                          offload: bool = False) -> torch.optim.Optimizer:
+    """The optimizer the `optimizer` block names, over `model_parameters`."""
+    params = dict(params or {})
+    if "max_grad_norm" in params:
+        raise ValueError("'max_grad_norm' is not supported as an optimizer parameter; "
+                         "use the top-level 'gradient_clipping' key of the config instead")
+    groups = _group_params(model_parameters)
+    lowered = name.lower()
+    if lowered in (ADAM, ADAMW):
+        return _build_adam(lowered, params, groups, offload)
+    if lowered == ADAGRAD:
+        return _from_ops_or_torch("adagrad", "DeepSpeedCPUAdagrad", offload, groups, params, torch.optim.Adagrad)
+    if lowered == LION:
+        return _build_lion(groups, params, offload)
+    if lowered == LAMB:
+        from zerospeed.ops.lamb import FusedLamb
+
+        return FusedLamb(groups, **params)
+    if lowered == SGD and not hasattr(torch.optim, name):
+        return torch.optim.SGD(groups, **params)
+    optimizer_class = getattr(torch.optim, name, None)
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ValueError(f"{name} is not a supported DeepSpeed Optimizer")
+    return optimizer_class(groups, **params)
+
+
+def _build_adam(lowered: str, params: dict[str, Any], groups: list[Any], offload: bool) -> torch.optim.Optimizer:
+    params.pop("torch_adam", None)
+    adam_w_mode = bool(params.pop("adam_w_mode", True)) or lowered == ADAMW
+    bias_correction = params.pop("bias_correction", True)
+    params.setdefault("weight_decay", 0.0)  # FusedAdam's default, not torch AdamW's 0.01
+    if offload or not bias_correction:
+        from zerospeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, bias_correction=bias_correction, adamw_mode=adam_w_mode, **params)
+    return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(groups, **params)
+
+
+def _build_lion(groups: list[Any], params: dict[str, Any], offload: bool) -> torch.optim.Optimizer:
+    from zerospeed.ops.lion import DeepSpeedCPULion
+
+    return DeepSpeedCPULion(groups, **params)
+
+
+def _from_ops_or_torch(module: str, class_name: str, offload: bool, groups: list[Any], params: dict[str, Any],
+                       torch_class: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    if offload:
+        import importlib
+
+        return getattr(importlib.import_module(f"zerospeed.ops.{module}"), class_name)(groups, **params)
+    return torch_class(groups, **params)
+
+
+def build_loss_scaler(config: Any, precision: PrecisionSettings) -> LossScaler:
+    dynamic = config.fp16_enabled and config.loss_scale == 0
+    return create_loss_scaler(precision.param_dtype, static_loss_scale=config.loss_scale or 1.0,
+                              dynamic_scaling=dynamic, dynamic_loss_args=config.dynamic_loss_scale_args)
+
+
+def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision: PrecisionSettings,
+                            dp_group: Any, param_names: dict[torch.nn.Parameter, str],
+                            module: torch.nn.Module) -> DeepSpeedOptimizer:
+    """The one place the ZeRO stage is branched on."""
+    stage = config.zero_optimization_stage
+    loss_scaler = build_loss_scaler(config, precision)
+    zero_config = config.zero_config
+    if stage == 0:
+        from zerospeed.runtime.data_parallel import DataParallelOptimizer
+
+        return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size)
+    if stage in (1, 2):
+        from zerospeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        return DeepSpeedZeroOptimizer(basic, zero_config, precision, loss_scaler, dp_group,
+                                      partition_grads=stage == 2, param_names=param_names)
+    from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,
+                                         param_names=param_names)
