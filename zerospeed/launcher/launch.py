@@ -115,14 +115,14 @@ def _log(args: argparse.Namespace, message: str) -> None:
 
 def _check_node(args: argparse.Namespace, host: str) -> None:
     if args.expect_versions and args.expect_versions != version_tag():
-        raise SystemExit(f"zerospeed: error: host {host!r} runs {version_tag()}, "
+        raise ValueError(f"host {host!r} runs {version_tag()}, "
                          f"but the job was started with {args.expect_versions}")
     script = args.training_script
     if args.no_python:
         if shutil.which(script) is None:
-            raise SystemExit(f"zerospeed: error: executable {script!r} not found on host {host!r}")
+            raise ValueError(f"executable {script!r} not found on host {host!r}")
     elif not args.module and not os.path.isfile(script):
-        raise SystemExit(f"zerospeed: error: user script {script!r} does not exist on host {host!r}")
+        raise ValueError(f"user script {script!r} does not exist on host {host!r}")
 
 
 def _core_sets(num_local: int, core_list: str | None) -> list[list[int]]:
@@ -209,7 +209,11 @@ def install_signal_handlers() -> tuple[threading.Event, list[int]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop, received = install_signal_handlers()
-    return run(args, stop, received)
+    try:
+        return run(args, stop, received)
+    except ValueError as exc:
+        print(f"zerospeed: error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

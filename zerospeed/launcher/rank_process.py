@@ -36,6 +36,7 @@ __all__ = ["RankProcess", "RankSpec", "stop_all"]
 
 _TAIL_LINES = 200
 _TEARDOWN_MESSAGE = "terminate called without an active exception"
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 
 
 @dataclass
@@ -93,6 +94,10 @@ class RankProcess:
             self._log.close()
             self._log = None
 
+    def looks_like_secondary_failure(self) -> bool:
+        """True when the rank's stderr says a *peer* went away (it is not the root cause)."""
+        return any(marker in line for line in self._tail for marker in _PEER_GONE)
+
     def looks_like_teardown_abort(self) -> bool:
         """True for gloo's exit-time abort (see [Note: gloo teardown abort])."""
         if self.poll() != -signal.SIGABRT:
@@ -116,7 +121,7 @@ class RankProcess:
         if from_file:
             return from_file
         lines = list(self._tail)
-        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+        starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
         if starts:
             return "\n".join(lines[starts[-1]:])
         return "\n".join(lines[-30:]) if lines else "(the rank wrote nothing to stderr)"

@@ -97,6 +97,7 @@ class Outcome:
 
 def _first_failure(ranks: list[RankProcess], suspects: dict[int, float]) -> RankProcess | None:
     now = time.monotonic()
+    failed = []
     for rank in ranks:
         code = rank.poll()
         if code is None or code == 0:
@@ -104,7 +105,10 @@ def _first_failure(ranks: list[RankProcess], suspects: dict[int, float]) -> Rank
         if rank.spec.rank not in suspects and rank.looks_like_teardown_abort():
             suspects[rank.spec.rank] = now
         if rank.spec.rank not in suspects:
-            return rank
+            failed.append(rank)
+    if failed:
+        # Ranks seen dead in the same poll: the root cause is the one whose peers did not vanish.
+        return next((r for r in failed if not r.looks_like_secondary_failure()), failed[0])
     grace_s = _env_float("ZS_TEARDOWN_GRACE_S", 15)
     still_running = any(r.poll() is None for r in ranks)
     for rank in ranks:

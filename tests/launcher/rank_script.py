@@ -1,0 +1,47 @@
+"""The script the launcher tests run as every rank: ``rank_script.py MODE PID_DIR [--local_rank=N]``.
+
+Modes: ``env`` (gloo all_reduce, print the env as JSON), ``raise`` (rank 1 raises, the others
+sleep), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
+the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds). Every rank writes its pid and the pid
+of a forked ``sleep`` child into PID_DIR, so a test can check that nothing of the job is left.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+mode, pid_dir, *rest = sys.argv[1:]
+rank = int(os.environ["RANK"])
+if mode != "env":
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(pid_dir, f"rank{rank}.pids"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}\n")
+
+if mode == "env":
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CROSS_RANK", "CROSS_SIZE"]
+    print("RESULT " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": rest,
+                                  "sum": total.item()}), flush=True)
+    dist.destroy_process_group()
+elif mode == "raise":
+    if rank == 1:
+        time.sleep(0.5)
+        raise RuntimeError("boom from rank one")
+    time.sleep(300)
+elif mode == "sleep":
+    time.sleep(300)
+elif mode == "teardown":
+    if rank == 1:
+        sys.stderr.write("terminate called without an active exception\n")
+        sys.stderr.flush()
+        os.abort()
+    time.sleep(float(os.environ.get("ZS_TEST_OTHERS_S", "1")))
+    child.kill()
