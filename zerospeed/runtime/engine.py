@@ -19,6 +19,7 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.runtime.config import DeepSpeedConfig
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
+from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
     build_lr_scheduler,
@@ -30,7 +31,7 @@ from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
