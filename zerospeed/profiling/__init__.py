@@ -1,0 +1,1 @@
+"""Profiling: the flops profiler (`zerospeed.profiling.flops_profiler`)."""
