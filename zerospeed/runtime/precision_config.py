@@ -42,7 +42,7 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
     @classmethod
     def _loss_scale_is_number(cls, value: Any) -> Any:
         if isinstance(value, bool):
-            raise ValueError("loss_scale must be a number, not a bool")
+            raise ValueError("loss_scale must be a number, not a bool")  # noqa: TRY004 (pydantic wants ValueError)
         return value
 
     @model_validator(mode="after")
