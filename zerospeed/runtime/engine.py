@@ -118,10 +118,13 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
     def _init_monitoring(self) -> None:
         from zerospeed.runtime.engine_monitoring import EngineMonitoring
 
-        self.monitoring = EngineMonitoring(self._config, self.train_batch_size())
+        self.monitoring = EngineMonitoring(self._config, self.train_batch_size(), self.global_rank)
+        if self.training_dataloader is not None:
+            self.training_dataloader.tput_timer = self.monitoring.tput_timer
 
     # --- forward / backward / step ------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.monitoring.on_forward(inputs, kwargs)
         self.monitoring.start("fwd")
         if self._config.fp16_enabled and self._config.fp16.auto_cast:
             inputs, kwargs = cast_inputs(inputs, kwargs, torch.float16)
@@ -135,7 +138,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         self.monitoring.start("bwd")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        self.monitoring.record_loss(loss.detach(), self.gradient_accumulation_steps() if scale_wrt_gas else 1)
+        self.monitoring.record_loss(loss.detach())
         self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
         if not self._inside_no_sync:
             self.monitoring.start("bwd_allreduce")
@@ -155,11 +158,14 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         assert not self._inside_no_sync, "It is illegal to call Engine.step() inside no_sync context manager"
         assert self.optimizer is not None, "must provide an optimizer (client or config) to call step"
-        if self.is_gradient_accumulation_boundary():
+        is_boundary = self.is_gradient_accumulation_boundary()
+        if is_boundary:
             self.monitoring.start("step")
             self.gas_boundary_ctr += 1
             self._take_model_step(lr_kwargs)
             self.monitoring.stop("step")
+        self.monitoring.on_micro_step_end(is_boundary)
+        if is_boundary:
             self.monitoring.on_boundary(self)
         self.micro_steps += 1
 
