@@ -1,4 +1,4 @@
-"""The script the launcher tests run as every rank: ``rank_script.py MODE PID_DIR [--local_rank=N]``.
+"""The script the launcher tests run as every rank: ``rank_script.py [--local_rank=N] MODE PID_DIR``.
 
 Modes: ``env`` (gloo all_reduce, print the env as JSON), ``raise`` (rank 1 raises, the others
 sleep), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-mode, pid_dir, *rest = sys.argv[1:]
+# The launcher puts --local_rank=N before the script's own arguments (DeepSpeed's order).
+mode, pid_dir, *rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank=")]
 rank = int(os.environ["RANK"])
 if mode != "env":
     child = subprocess.Popen(["sleep", "300"])
@@ -28,7 +29,7 @@ if mode == "env":
     dist.all_reduce(total)
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "CROSS_RANK", "CROSS_SIZE"]
-    print("RESULT " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": rest,
+    print("RESULT " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:],
                                   "sum": total.item()}), flush=True)
     dist.destroy_process_group()
 elif mode == "raise":

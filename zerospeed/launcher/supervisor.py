@@ -2,8 +2,9 @@
 
 ``supervise()`` polls the local ranks until one of:
 
-- every rank exited 0 (or a gloo teardown abort, see [Note: gloo teardown abort] in
-  ``rank_process.py``) -> exit 0;
+- every rank exited 0, or a rank hit gloo's teardown abort (see [Note: gloo teardown abort] in
+  ``rank_process.py``) -> exit 0; what the ranks forked and left running is killed with their
+  process groups;
 - a rank failed -> the abort is raised for the other nodes, every local rank is stopped
   (SIGTERM, then SIGKILL after ``ZS_KILL_GRACE_S``, default 5 s) -> that rank's exit code;
 - another node raised the abort, or this node lost its connection to the job's store ->
@@ -132,8 +133,7 @@ def supervise(ranks: list[RankProcess], stop: threading.Event, stop_signal: list
             code = failed.poll() or 1
             return Outcome(code if code > 0 else 128 - code, failed, reason)
         if all(r.poll() is not None for r in ranks):
-            for rank in ranks:
-                rank.finish()
+            stop_all(ranks, 0)  # what the ranks forked and left behind goes with them
             if channel is not None:
                 channel.mark_done_and_wait(stop)
             return Outcome(0, reason=_teardown_warning(ranks, suspects))
