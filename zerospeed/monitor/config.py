@@ -50,7 +50,7 @@ class DeepSpeedMonitorConfig(DeepSpeedConfigModel):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
-    comet: CometConfig = Field(default_factory=CometConfig)
+    comet: CometConfig = Field(default_factory=lambda: CometConfig())
 
     @property
     def enabled(self) -> bool:
