@@ -36,7 +36,7 @@ class WandbConfig(DeepSpeedConfigModel):
 
 class CometConfig(DeepSpeedConfigModel):
     enabled: bool = False
-    samples_log_interval: int = Field(100, ge=1)
+    samples_log_interval: int = Field(default=100, ge=1)
     project: str | None = None
     workspace: str | None = None
     api_key: str | None = None
@@ -50,7 +50,7 @@ class DeepSpeedMonitorConfig(DeepSpeedConfigModel):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
-    comet: CometConfig = Field(default_factory=lambda: CometConfig())
+    comet: CometConfig = Field(default_factory=CometConfig)
 
     @property
     def enabled(self) -> bool:
