@@ -1,0 +1,313 @@
+"""ZeRO 1/2 (`DeepSpeedZeroOptimizer`) against single-process torch on the same global batch.
+
+The optimizer is driven the way the engine drives it (base_optimizer.py's contract) on a tiny
+language model with tied embeddings, a frozen weight, two param groups (no weight decay on
+biases, their own lr) and parameter counts that do not divide the world size.
+"""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zerospeed
+from distributed import run_on_ranks
+from parity import assert_close_relative, ds_optimizer_block, global_batches, make_model, micro_batch
+from zerospeed.comm import comms_logger
+from zerospeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.zero.config import DeepSpeedZeroConfig
+from zerospeed.runtime.zero.partition import slab_real_numel
+from zerospeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+VOCAB, DIM, HIDDEN, SEQ, GLOBAL_BATCH, NUM_STEPS = 11, 6, 7, 5, 8, 10
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.fc1 = torch.nn.Linear(DIM, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, DIM)
+        self.frozen = torch.nn.Linear(DIM, DIM, bias=False)
+        self.frozen.weight.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        hidden = self.frozen(hidden + self.fc2(torch.tanh(self.fc1(hidden))))
+        logits = hidden @ self.embed.weight.t()          # tied output head
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return TinyLM().to(dtype)
+
+
+def _groups(model):
+    weights = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": 2e-2}]
+
+
+def _torch_optimizer(kind, model):
+    groups = _groups(model)
+    if kind == "SGD":
+        return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+    return getattr(torch.optim, kind)(groups, lr=1e-2)
+
+
+def _batches(num_steps, gas):
+    generator = torch.Generator().manual_seed(1)
+    return [[(torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=generator),
+              torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(gas)]
+            for _ in range(num_steps)]
+
+
+def _reference(kind, gas, clip, skip_steps=()):
+    model = _model()
+    optimizer = _torch_optimizer(kind, model)
+    losses = []
+    for step, micro_batches in enumerate(_batches(NUM_STEPS, gas)):
+        total = 0.0
+        for tokens, targets in micro_batches:
+            loss = model(tokens, targets) / gas
+            loss.backward()
+            total += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        if step not in skip_steps:
+            optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero_config(stage, **overrides):
+    return DeepSpeedZeroConfig(stage=stage, **overrides)
+
+
+def _build(stage, kind="AdamW", precision=None, scaler=None, dtype=torch.float32, **zero):
+    model = _model(dtype)
+    optimizer = DeepSpeedZeroOptimizer(_torch_optimizer(kind, model), _zero_config(stage, **zero),
+                                       precision or PrecisionSettings(), scaler or LossScaler(1.0),
+                                       dist.group.WORLD, partition_grads=stage == 2,
+                                       param_names={p: n for n, p in model.named_parameters()})
+    return model, optimizer
+
+
+def _train(model, optimizer, gas, num_steps=NUM_STEPS, poison=None):
+    """The engine's calls, per the base_optimizer contract; returns global mean losses per step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = GLOBAL_BATCH // world_size
+    losses, overflows = [], []
+    for step, micro_batches in enumerate(_batches(num_steps, gas)):
+        total = torch.zeros(())
+        for micro, (tokens, targets) in enumerate(micro_batches):
+            loss = model(tokens[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]) / gas
+            if poison is not None and step == poison and rank == 0:
+                loss = loss * float("inf")
+            optimizer.scale_loss(loss).backward()
+            optimizer.backward_epilogue(micro == gas - 1)
+            total += loss.detach().float()
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+        overflows.append(optimizer.overflow)
+    return losses, overflows
+
+
+def _parity(stage, kind, gas, clip, zero):
+    precision = PrecisionSettings(clip_grad=clip)
+    model, optimizer = _build(stage, kind, precision, **zero)
+    losses, _ = _train(model, optimizer, gas)
+    ref_losses, ref_params = _reference(kind, gas, clip)
+    assert_close_relative(torch.tensor(losses), torch.tensor(ref_losses), 1e-6, "losses")
+    for name, param in model.named_parameters():
+        assert_close_relative(param.detach(), ref_params[name], 1e-6, name)
+    return optimizer.get_global_grad_norm()
+
+
+CASES = {
+    "adamw": ("AdamW", 1, 0.0, {}),
+    "adam-gas4-clip": ("Adam", 4, 0.5, {}),
+    "sgd-clip": ("SGD", 1, 0.5, {}),
+    "sgd-gas4-tiny-buckets-overlap": ("SGD", 4, 0.0, {"reduce_bucket_size": 6, "overlap_comm": True}),
+    "adamw-gas4-tiny-buckets-overlap": ("AdamW", 4, 0.0, {"reduce_bucket_size": 6, "overlap_comm": True,
+                                                          "allgather_bucket_size": 8}),
+    "adamw-allreduce-tiny-buckets": ("AdamW", 1, 0.5, {"reduce_scatter": False, "reduce_bucket_size": 10}),
+    "adamw-noncontiguous-roundrobin": ("AdamW", 4, 0.0, {"contiguous_gradients": False,
+                                                         "round_robin_gradients": True,
+                                                         "reduce_bucket_size": 12, "overlap_comm": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fp32_matches_single_process_torch(world_size, stage, case):
+    run_on_ranks(_parity, world_size, stage, *CASES[case])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_parity_on_four_ranks(stage):
+    run_on_ranks(_parity, 4, stage, "AdamW", 4, 0.5, {"reduce_bucket_size": 8, "overlap_comm": True})
+
+
+def test_clipping_is_active_in_the_clipped_cases():
+    norms = run_on_ranks(_parity, 2, 2, "AdamW", 1, 0.0, {})
+    assert norms[0] > 0.5 and norms[0] == pytest.approx(norms[1])
+
+
+# --- low precision -----------------------------------------------------------------------------
+
+def _bf16(stage):
+    precision = PrecisionSettings(param_dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16,
+                                  communication_dtype=torch.bfloat16, check_overflow=True)
+    model, optimizer = _build(stage, "AdamW", precision, dtype=torch.bfloat16, reduce_bucket_size=20)
+    losses, _ = _train(model, optimizer, gas=2)
+    ref_losses, _ = _reference("AdamW", 2, 0.0)
+    assert_close_relative(torch.tensor(losses), torch.tensor(ref_losses), 1e-2, "bf16 losses")
+    assert optimizer.single_partition_of_fp32_groups[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_within_1e2_of_fp32(stage):
+    run_on_ranks(_bf16, 2, stage)
+
+
+def _fp16_overflow(stage):
+    precision = PrecisionSettings(param_dtype=torch.float16, grad_accum_dtype=torch.float32,
+                                  communication_dtype=torch.float16, check_overflow=True)
+    scaler = DynamicLossScaler(init_scale=2.0**10, scale_window=1000)
+    model, optimizer = _build(stage, "AdamW", precision, scaler, dtype=torch.float16)
+    losses, overflows = _train(model, optimizer, gas=1, poison=3)
+    assert overflows == [i == 3 for i in range(NUM_STEPS)]
+    assert scaler.cur_scale == 2.0**9
+    ref_losses, _ = _reference("AdamW", 1, 0.0, skip_steps=(3,))
+    finite = [i for i in range(NUM_STEPS) if i != 3]
+    assert_close_relative(torch.tensor(losses)[finite], torch.tensor(ref_losses)[finite], 1e-2, "fp16 losses")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_skips_the_step_on_every_rank(stage):
+    run_on_ranks(_fp16_overflow, 2, stage)
+
+
+# --- communication volume ----------------------------------------------------------------------
+
+def _comm_volume(stage, reduce_scatter, bucket):
+    model, optimizer = _build(stage, reduce_scatter=reduce_scatter, reduce_bucket_size=bucket)
+    _train(model, optimizer, gas=1, num_steps=1)
+    comms_logger.configure(enabled=True, prof_all=True)
+    comms_logger.reset()
+    try:
+        _train(model, optimizer, gas=1, num_steps=1)
+        records = list(comms_logger.records)
+    finally:
+        comms_logger.configure(enabled=False)
+        comms_logger.reset()
+    padded = sum(g.layout.padded_numel for g in optimizer.groups)
+    real_slabs = sum(1 for g in optimizer.groups for s in g.slabs if slab_real_numel(g.layout, s) > 0)
+    return [(r.op, r.msg_bytes) for r in records], padded, real_slabs
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("reduce_scatter", [True, False])
+def test_one_step_moves_the_2psi_bound(stage, reduce_scatter):
+    bucket = 8   # rows of 4 elements: every slab message is 32 bytes, scalars are <= 8
+    records, padded, real_slabs = run_on_ranks(_comm_volume, 2, stage, reduce_scatter, bucket)[0]
+    grad_op = "reduce_scatter_tensor" if reduce_scatter else "all_reduce"
+    big = [(op, size) for op, size in records if size > 8]          # scalars: the norm (fp32: no overflow check)
+    grad_calls = [size for op, size in big if op == grad_op]
+    gather_calls = [size for op, size in big if op == "all_gather_into_tensor"]
+    assert len(grad_calls) == real_slabs                             # one reduction per bucket
+    assert sum(grad_calls) <= padded * 4 and sum(grad_calls) >= (padded - 4) * 4
+    assert sum(gather_calls) == padded * 4                          # the updated parameters, once
+    assert len(big) == len(grad_calls) + len(gather_calls)          # nothing else tensor-sized
+
+
+def _default_buckets_volume(stage):
+    records, padded, _ = _comm_volume(stage, True, 500_000_000)
+    return records, padded
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_default_buckets_one_reduce_scatter_and_one_gather_per_group(stage):
+    records, padded = run_on_ranks(_default_buckets_volume, 2, stage)[0]
+    big = [(op, size) for op, size in records if size > 8]
+    assert sorted(op for op, _ in big) == ["all_gather_into_tensor"] * 2 + ["reduce_scatter_tensor"] * 2
+    assert sum(size for _, size in big) == 2 * padded * 4           # exactly 2 Psi (padded), fp32
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+def _memory(stage, dtype):
+    precision = PrecisionSettings(param_dtype=dtype, grad_accum_dtype=dtype, communication_dtype=dtype)
+    model, optimizer = _build(stage, "AdamW", precision, dtype=dtype)
+    _train(model, optimizer, gas=1, num_steps=1)
+    return optimizer.memory_breakdown(), sum(g.layout.padded_numel for g in optimizer.groups)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_breakdown_is_the_zero_paper_accounting(stage, dtype):
+    world_size = 2
+    breakdown, psi = run_on_ranks(_memory, world_size, stage, dtype)[0]
+    lp_bytes = torch.tensor([], dtype=dtype).element_size()
+    expected = {
+        "lp_params": lp_bytes * psi,
+        "grads": lp_bytes * psi // (world_size if stage == 2 else 1),
+        "master_params": 0 if dtype == torch.float32 else 4 * psi // world_size,
+        "optimizer_states": 8 * psi // world_size,
+    }
+    expected["total"] = sum(expected.values())
+    assert breakdown == expected
+    if dtype == torch.float32:   # 8 Psi + 8 Psi/N and 4 Psi + 12 Psi/N
+        assert breakdown["total"] == (8 * psi + 8 * psi // 2 if stage == 1 else 4 * psi + 12 * psi // 2)
+
+
+# --- state dict -------------------------------------------------------------------------------
+
+def _round_trip(stage):
+    model, optimizer = _build(stage, reduce_bucket_size=10)
+    _train(model, optimizer, gas=2, num_steps=3)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert state["zero_stage"] == stage and state["partition_count"] == [dist.get_world_size()] * 2
+    assert sum(m["numel"] for m in state["param_slice_mappings"][0].values()) + state["group_paddings"][0] == \
+        optimizer.groups[0].layout.partition_numel
+
+    continued, _ = _train(model, optimizer, gas=2, num_steps=3)
+    fresh_model, fresh = _build(stage, reduce_bucket_size=10)
+    fresh.load_state_dict(state)
+    resumed, _ = _train(fresh_model, fresh, gas=2, num_steps=3)
+    assert resumed == continued
+    for (name, param), fresh_param in zip(model.named_parameters(), fresh_model.parameters()):
+        assert torch.equal(param, fresh_param), name
+    return sorted(state)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_state_dict_round_trip_is_exact_and_weights_only_loadable(stage):
+    keys = run_on_ranks(_round_trip, 2, stage)[0]
+    assert set(keys) >= {"loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
+                         "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "partition_count",
+                         "ds_version", "param_slice_mappings", "param_alignment_paddings"}
+
+
+def _wrong_world_size_state():
+    model, optimizer = _build(2)
+    state = optimizer.state_dict()
+    state["partition_count"] = [3, 3]
+    with pytest.raises(ValueError, match="partition_count"):
+        optimizer.load_state_dict(state)
+
+
+def test_loading_a_state_saved_on_another_world_size_is_a_clear_error():
+    run_on_ranks(_wrong_world_size_state, 2)

@@ -1,0 +1,317 @@
+"""ZeRO stages 1 and 2: `DeepSpeedZeroOptimizer`, a wrapper around a normal torch optimizer.
+
+Per param group (partition.py, [Note: flat layout]) the trainable low-precision parameters live in
+one flat buffer (`bit16_groups_flat`), padded to a multiple of 2W and split into W equal
+partitions; each parameter's `.data` is a view into it, frozen parameters stay outside. The base
+optimizer's group holds one tensor: this rank's fp32 master partition, so Adam's state exists
+only for 1/W of the model.
+
+- Stage 1: gradients accumulate, across micro-batches, into a full flat gradient buffer in
+  `grad_accum_dtype` (a post-accumulate hook adds each `param.grad` and frees it); at the
+  boundary the buffer is reduced slab by slab (grad_buckets.py) so this rank's partition of it
+  holds the averaged gradients.
+- Stage 2: the hook hands each gradient to `GradientBuckets` as backward produces it; full slabs
+  are reduce-scattered (overlapped with backward under `overlap_comm`) and accumulated into a
+  gradient buffer of partition size only.
+
+`step()` checks overflow across ranks, takes the global norm of the partitioned gradients,
+unscales and clips, runs the base optimizer on the partitions, copies masters into the flat lp
+buffer and all-gathers it in `allgather_bucket_size` chunks.
+
+[Note: fp32 master sharing]
+With fp32 parameters the master partition *is* this rank's partition of the flat parameter
+buffer (a view, not a copy): the ZeRO paper's accounting (fp32 Adam: 4 Psi params + 8 Psi/N
+states, with 4 Psi or 4 Psi/N grads) and no copy-back after the step. With fp16/bf16
+parameters the master is a separate fp32 clone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.zero.grad_buckets import GradientBuckets, SlabReducer, reduce_flat_gradients
+from zerospeed.runtime.zero.partition import (
+    GroupLayout,
+    Slab,
+    allgather_chunks,
+    build_layout,
+    plan_slabs,
+    round_robin_order,
+)
+from zerospeed.version import __version__
+
+__all__ = ["DeepSpeedZeroOptimizer"]
+
+_MASTER_DTYPE = torch.float32
+
+
+@dataclasses.dataclass
+class _FlatGroup:
+    """One optimizer param group, flattened (DeepSpeed's per-group lists, as one object)."""
+
+    params: list[torch.nn.Parameter]    # trainable, in flat order
+    names: list[str]
+    layout: GroupLayout
+    slabs: list[Slab]
+    lp_flat: torch.Tensor               # bit16_groups_flat[i] (or fp32), padded
+    lp_partition: torch.Tensor          # this rank's view of lp_flat
+    master: torch.Tensor                # single_partition_of_fp32_groups[i]
+    grads: torch.Tensor                 # stage 1: full flat; stage 2: this rank's partition
+    padding: int                        # padded elements inside this rank's partition
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZeroSettings:
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    round_robin_gradients: bool = False
+    load_from_fp32_weights: bool = True
+
+    @classmethod
+    def from_config(cls, zero_config: Any) -> "_ZeroSettings":
+        values = {field.name: getattr(zero_config, field.name, field.default)
+                  for field in dataclasses.fields(cls)}
+        values["overlap_comm"] = bool(values["overlap_comm"])   # None (unset) means off below stage 3
+        return cls(**values)
+
+
+class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
+    def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
+                 loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
+                 param_names: dict[torch.nn.Parameter, str]) -> None:
+        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self.precision = precision
+        self.settings = _ZeroSettings.from_config(zero_config)
+        self.dp_process_group = dp_group
+        self.dp_rank = comm.get_rank(dp_group)
+        self.dp_world_size = comm.get_world_size(dp_group)
+        self.partition_gradients = partition_grads
+        self.zero_stage = 2 if partition_grads else 1
+        self.groups = [self._init_group(index, group, param_names)
+                       for index, group in enumerate(init_optimizer.param_groups)]
+        self._init_reduction()
+        self._unreduced = False
+
+    # --- setup ------------------------------------------------------------------------------
+    def _init_group(self, group_index: int, group: dict[str, Any],
+                    param_names: dict[torch.nn.Parameter, str]) -> _FlatGroup:
+        params = [p for p in group["params"] if p.requires_grad]
+        if self.settings.round_robin_gradients:
+            params = [params[i] for i in round_robin_order(len(params), self.dp_world_size)]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise TypeError(f"ZeRO param group {group_index} mixes dtypes {sorted(map(str, dtypes))}; "
+                            "cast the model to one dtype first")
+        dtype = dtypes.pop() if dtypes else self.precision.param_dtype
+        device = params[0].device if params else torch.device("cpu")
+        layout = build_layout([p.numel() for p in params], self.dp_world_size)
+        lp_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for param, offset in zip(params, layout.param_offsets):
+            view = lp_flat.narrow(0, offset, param.numel())
+            view.copy_(param.data.reshape(-1))
+            param.data = view.view_as(param)
+        start, part_numel = layout.partition_start(self.dp_rank), layout.partition_numel
+        lp_partition = lp_flat.narrow(0, start, part_numel)
+        # [Note: fp32 master sharing]
+        master = lp_partition if dtype == _MASTER_DTYPE else lp_partition.to(_MASTER_DTYPE).clone()
+        group["params"] = [master]
+        grads_numel = part_numel if self.partition_gradients else layout.padded_numel
+        grads = torch.zeros(grads_numel, dtype=self.precision.grad_accum_dtype, device=device)
+        names = [param_names.get(p, f"group{group_index}.param{i}") for i, p in enumerate(params)]
+        slabs = plan_slabs(part_numel, self.dp_world_size, self.settings.reduce_bucket_size)
+        return _FlatGroup(params, names, layout, slabs, lp_flat, lp_partition, master, grads,
+                          layout.padding_in_partition(self.dp_rank))
+
+    def _init_reduction(self) -> None:
+        self.reducer = SlabReducer(self.dp_process_group, self.precision, self.settings.reduce_scatter,
+                                   self.settings.overlap_comm)
+        self.buckets = None
+        if self.partition_gradients:
+            self.buckets = GradientBuckets([g.layout for g in self.groups], [g.slabs for g in self.groups],
+                                           [g.grads for g in self.groups], self.reducer,
+                                           self.precision.communication_dtype,
+                                           self.settings.contiguous_gradients)
+        self._param_slot = {param: (gi, pi) for gi, g in enumerate(self.groups)
+                            for pi, param in enumerate(g.params)}
+        self._hook_handles = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                              for param in self._param_slot]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    # --- gradients --------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        group_index, param_index = self._param_slot[param]
+        grad = param.grad
+        if grad is None:
+            return
+        if self.buckets is not None:
+            self.buckets.add_grad(group_index, param_index, grad)
+        else:
+            group = self.groups[group_index]
+            offset = group.layout.param_offsets[param_index]
+            group.grads.narrow(0, offset, param.numel()).add_(grad.reshape(-1))
+        param.grad = None
+        self._unreduced = True
+
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        if self.buckets is not None:
+            self.buckets.flush()          # stage 2 reduces every micro-batch
+            self._unreduced = False
+        elif is_boundary:
+            self._reduce_full_gradients()
+
+    def _reduce_full_gradients(self) -> None:
+        for group in self.groups:
+            reduce_flat_gradients(group.grads, group.layout, group.slabs, self.reducer,
+                                  self.precision.communication_dtype)
+        self._unreduced = False
+
+    def _partition_grad(self, group: _FlatGroup) -> torch.Tensor:
+        if self.partition_gradients:
+            return group.grads
+        return group.grads.narrow(0, group.layout.partition_start(self.dp_rank), group.layout.partition_numel)
+
+    # --- step -------------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> None:
+        if self._unreduced:
+            self.backward_epilogue(is_boundary=True)
+        grads = [self._partition_grad(g) for g in self.groups]
+        scale = self.loss_scaler.cur_scale
+        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_process_group)
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = None
+            self.zero_grad()
+            return
+        scaled_norm = global_norm(grads, group=self.dp_process_group, partitioned=True)
+        self._global_grad_norm = scaled_norm / scale
+        combined = unscale_and_clip_factor(scaled_norm, scale, self.clip_grad)
+        for group, grad in zip(self.groups, grads):
+            group.master.grad = grad if grad.dtype == group.master.dtype else grad.to(group.master.dtype)
+        scale_([g.master.grad for g in self.groups], 1.0 / combined)
+        self.optimizer.step()
+        for group in self.groups:
+            group.master.grad = None
+        self._publish_params()
+
+    def _publish_params(self) -> None:
+        """Masters -> this rank's lp partition -> all-gathered into every rank's flat buffer."""
+        for group in self.groups:
+            if group.master.data_ptr() != group.lp_partition.data_ptr():
+                group.lp_partition.copy_(group.master)
+            self._all_gather_group(group)
+
+    def _all_gather_group(self, group: _FlatGroup) -> None:
+        world_size, part_numel = self.dp_world_size, group.layout.partition_numel
+        rows = group.lp_flat.view(world_size, part_numel)
+        for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
+            shard = rows[self.dp_rank].narrow(0, offset, numel).clone()
+            if numel == part_numel:
+                comm.all_gather_into_tensor(group.lp_flat, shard, group=self.dp_process_group)
+                continue
+            gathered = torch.empty(world_size, numel, dtype=shard.dtype, device=shard.device)
+            comm.all_gather_into_tensor(gathered.view(-1), shard, group=self.dp_process_group)
+            rows.narrow(1, offset, numel).copy_(gathered)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.groups:
+            group.grads.zero_()
+            group.master.grad = None
+            for param in group.params:
+                param.grad = None
+        self._unreduced = False
+
+    # --- introspection ----------------------------------------------------------------------
+    @property
+    def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
+        return [g.params for g in self.groups]
+
+    @property
+    def bit16_groups_flat(self) -> list[torch.Tensor]:
+        return [g.lp_flat for g in self.groups]
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        return [g.master for g in self.groups]
+
+    @property
+    def groups_padding(self) -> list[int]:
+        return [g.padding for g in self.groups]
+
+    def memory_breakdown(self) -> dict[str, int]:
+        lp_storages = {g.lp_flat.untyped_storage().data_ptr() for g in self.groups}
+        masters = [g.master for g in self.groups if g.master.untyped_storage().data_ptr() not in lp_storages]
+        breakdown = {
+            "lp_params": tensor_bytes(g.lp_flat for g in self.groups),
+            "grads": tensor_bytes(g.grads for g in self.groups),
+            "master_params": tensor_bytes(masters),
+            "optimizer_states": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+        }
+        breakdown["total"] = sum(breakdown.values())
+        return breakdown
+
+    # --- checkpoint state (reference §4.4, plain types) ------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "dynamic_loss_scale": self.loss_scaler.dynamic,
+            "overflow": self.overflow,
+            "clip_grad": self.clip_grad,
+            "base_optimizer_state": self.optimizer.state_dict(),
+            "single_partition_of_fp32_groups": [
+                g.master.narrow(0, 0, g.layout.partition_numel - g.padding).detach().clone()
+                for g in self.groups],
+            "zero_stage": self.zero_stage,
+            "group_paddings": [g.padding for g in self.groups],
+            "partition_count": [self.dp_world_size for _ in self.groups],
+            "ds_version": __version__,
+            "param_slice_mappings": [self._slice_mappings(g) for g in self.groups],
+            "param_alignment_paddings": [[0] * len(g.params) for g in self.groups],
+        }
+
+    def _slice_mappings(self, group: _FlatGroup) -> dict[str, dict[str, int]]:
+        return {group.names[f.param_index]: {"numel": f.numel, "start": f.partition_start}
+                for f in group.layout.fragments(self.dp_rank)}
+
+    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        self._check_loadable(state_dict)
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.overflow = bool(state_dict["overflow"])
+        self.clip_grad = float(state_dict.get("clip_grad", self.clip_grad))
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["base_optimizer_state"])
+        for group, saved in zip(self.groups, state_dict["single_partition_of_fp32_groups"]):
+            if self.settings.load_from_fp32_weights:
+                group.master.narrow(0, 0, saved.numel()).copy_(saved)
+                group.master.narrow(0, saved.numel(), group.master.numel() - saved.numel()).zero_()
+            elif group.master.data_ptr() != group.lp_partition.data_ptr():
+                group.master.copy_(group.lp_partition)
+        self._publish_params()
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        if "ds_version" not in state_dict:
+            raise ValueError("ZeRO optimizer state has no 'ds_version': not a ZeRO 1/2 optimizer state dict")
+        saved_counts = list(state_dict["partition_count"])
+        if saved_counts != [self.dp_world_size] * len(self.groups):
+            raise ValueError(f"ZeRO optimizer state was saved with partition_count {saved_counts}; this run "
+                             f"has {len(self.groups)} group(s) on {self.dp_world_size} data-parallel ranks. "
+                             "Re-partitioning is done by the checkpoint loader, not load_state_dict.")
+        for group, saved in zip(self.groups, state_dict["single_partition_of_fp32_groups"]):
+            expected = group.layout.partition_numel - group.padding
+            if saved.numel() != expected:
+                raise ValueError(f"ZeRO fp32 partition has {saved.numel()} elements, expected {expected}: "
+                                 "the checkpoint was saved for a different model or param groups")
