@@ -243,6 +243,7 @@ def estimate_model_states_bytes(num_params: int, world_size: int, stage: int, dt
     """Per-rank bytes of lp params, grads, fp32 masters and optimizer states (see [Note: two estimators])."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    num_params = int(num_params)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     optimizer_at = _offload_target(offload_optimizer, "offload_optimizer")
