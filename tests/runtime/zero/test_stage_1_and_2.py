@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import zerospeed
 from distributed import run_on_ranks
-from parity import assert_close_relative, ds_optimizer_block, global_batches, make_model, micro_batch
+from parity import (assert_close_relative, ds_optimizer_block, global_batches, make_model, micro_batch,
+                    reference_run)
 from zerospeed.comm import comms_logger
 from zerospeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from zerospeed.runtime.precision import PrecisionSettings
@@ -311,3 +312,61 @@ def _wrong_world_size_state():
 
 def test_loading_a_state_saved_on_another_world_size_is_a_clear_error():
     run_on_ranks(_wrong_world_size_state, 2)
+
+
+# --- through zerospeed.initialize --------------------------------------------------------------
+
+ENGINE_LR, ENGINE_WD = 1e-2, 0.01
+
+
+def _engine_train(stage, gas, kind, clip, extra=None):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    micro = 16 // (gas * world_size)
+    config = {"train_batch_size": 16, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+              "optimizer": ds_optimizer_block(kind, ENGINE_LR, ENGINE_WD),
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, **(extra or {})}}
+    engine, optimizer, _, _ = zerospeed.initialize(model=make_model(), config=config)
+    assert isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.zero_stage == stage
+    losses = []
+    for batch in global_batches(NUM_STEPS, 16):
+        for k in range(gas):
+            loss = engine(*micro_batch(batch, k, rank, micro, world_size))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses, {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,gas,kind,clip", [(1, 1, "AdamW", 0.0), (1, 4, "SGD", 0.05),
+                                                 (2, 1, "SGD", 0.0), (2, 4, "AdamW", 0.05)])
+def test_engine_matches_single_process_torch(stage, gas, kind, clip):
+    results = run_on_ranks(_engine_train, 2, stage, gas, kind, clip, {"overlap_comm": stage == 2})
+    ref_losses, ref_params = reference_run(make_model(), global_batches(NUM_STEPS, 16), kind, ENGINE_LR,
+                                           ENGINE_WD, clip)
+    losses = torch.tensor([r[0] for r in results]).view(2, NUM_STEPS, gas).mean(dim=(0, 2))
+    assert_close_relative(losses, torch.tensor(ref_losses), 1e-6, "losses")
+    for _, params in results:
+        for name, expected in ref_params.items():
+            assert_close_relative(params[name], expected, 1e-6, name)
+
+
+def test_engine_bf16_within_1e2_of_fp32():
+    results = run_on_ranks(_engine_train, 2, 2, 1, "AdamW", 0.0, None)
+    bf16 = run_on_ranks(_bf16_engine_train, 2)
+    fp32 = torch.tensor(results[0][0])
+    assert_close_relative(torch.tensor(bf16[0]), fp32, 1e-2, "bf16 losses")
+
+
+def _bf16_engine_train():
+    rank = dist.get_rank()
+    config = {"train_batch_size": 16, "optimizer": ds_optimizer_block("AdamW", ENGINE_LR, ENGINE_WD),
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = zerospeed.initialize(model=make_model(), config=config)
+    losses = []
+    for batch in global_batches(NUM_STEPS, 16):
+        x, y = micro_batch(batch, 0, rank, 8, 2)
+        loss = engine(x.bfloat16(), y.bfloat16())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    return losses
