@@ -1,7 +1,150 @@
-"""`save_checkpoint` / `load_checkpoint` for the engine (filled in by the checkpoint work, issue 5)."""
+"""`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (reference §3.8, §7).
+
+The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
+(layout.py), the model-states dict (model_states.py), the atomic write and the manifest
+(atomic.py, manifest.py, [Note: atomic save]) and the optimizer side with resharding
+(zero_checkpoint.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint.atomic import CheckpointTransaction, resolve_tag_dir
+from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
+from zerospeed.checkpoint.manifest import load_file, verify_files
+from zerospeed.checkpoint.model_states import build_model_states
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state
+from zerospeed.utils.logging import logger
+
+__all__ = ["EngineCheckpointing"]
 
 
 class EngineCheckpointing:
     """Mixin of DeepSpeedEngine: checkpoint save and load in DeepSpeed's layout."""
+
+    # --- save -------------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] = {},  # noqa: B006
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Called on every rank. See [Note: atomic save] for what a crash leaves behind."""
+        if not save_dir:
+            raise ValueError("save_checkpoint: save_dir must be a non-empty path")
+        tag = default_tag(self.global_steps) if tag is None else str(tag)
+        self._validate_tag(tag)
+        stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
+        transaction = CheckpointTransaction(save_dir, tag, self.dp_group).begin()
+        if stage >= 3 or dp_rank == 0:
+            model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
+            transaction.write(model_states_name(stage, dp_rank), model_states)
+        if stage >= 1:
+            transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
+                C.OPTIMIZER_STATE_DICT: self.optimizer.state_dict(),
+                C.DS_CONFIG: self._config._param_dict,
+                C.DS_VERSION: model_states_version()})
+        transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
+        return True
+
+    def _validate_tag(self, tag: str) -> None:
+        mode = self._config.checkpoint_tag_validation_mode
+        if mode == "Ignore":
+            return
+        digest = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "big")
+        low, high = torch.tensor([digest]), torch.tensor([digest])
+        comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.dp_group)
+        comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+        if low.item() != high.item():
+            message = f"checkpoint tag {tag!r} is not the same on all ranks"
+            if mode == "Fail":
+                raise ValueError(message)
+            logger.warning(message)
+
+    # --- load -------------------------------------------------------------------------------------
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        if tag is None:
+            latest = os.path.join(load_dir, LATEST)
+            if not os.path.isfile(latest):
+                logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint "
+                               "please ensure this file exists or pass an explicit checkpoint tag when loading "
+                               "a checkpoint.")
+                return None, None
+            with open(latest) as handle:
+                tag = handle.read().strip()
+        tag_dir = resolve_tag_dir(load_dir, str(tag))
+        if not os.path.isdir(tag_dir):
+            raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
+        saved = discover(tag_dir, bf16_first=self.bfloat16_enabled())
+        model_path = self._model_file_for_this_rank(saved)
+        if not verify_files(tag_dir, [os.path.basename(model_path)]):
+            logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
+        model_state = load_file(model_path)
+        self._load_module(model_state, load_module_strict, custom_load_fn)
+        loaded_optimizer = loaded_scheduler = False
+        if load_module_only:
+            load_optimizer_state(self, saved, model_state, load_optimizer_states=False)
+        else:
+            loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
+            self._load_counters(model_state)
+            if self.optimizer is not None:
+                load_optimizer_state(self, saved, model_state, load_optimizer_states)
+                loaded_optimizer = load_optimizer_states
+        comm.barrier(self.dp_group)
+        return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
+
+    def _model_file_for_this_rank(self, saved: SavedLayout) -> str:
+        names = [os.path.basename(f) for f in saved.model_files]
+        plain = model_states_name(0)
+        if plain in names:
+            return os.path.join(saved.tag_dir, plain)
+        dp_rank = comm.get_rank(self.dp_group)
+        wanted = model_states_name(3, dp_rank if dp_rank < len(names) else 0)
+        return os.path.join(saved.tag_dir, wanted)
+
+    def _load_module(self, model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
+        module_state = model_state[C.MODULE]
+        if custom_load_fn is not None:
+            custom_load_fn(src=module_state, dst=self.module)
+        else:
+            self.module.load_state_dict(module_state, strict=strict)
+
+    def _load_scheduler(self, model_state: dict[str, Any], wanted: bool) -> bool:
+        saved = model_state.get(C.LR_SCHEDULER)
+        if wanted and self.lr_scheduler is not None and saved is not None:
+            self.lr_scheduler.load_state_dict(saved)
+            return True
+        return False
+
+    def _load_counters(self, model_state: dict[str, Any]) -> None:
+        self.global_steps = int(model_state[C.GLOBAL_STEPS])
+        self.global_samples = int(model_state.get(C.GLOBAL_SAMPLES, self.global_steps * self.train_batch_size()))
+        self.skipped_steps = int(model_state[C.SKIPPED_STEPS])
+        self.loaded_checkpoint_dp_world_size = model_state.get(C.DP_WORLD_SIZE)
+        self.loaded_checkpoint_mp_world_size = model_state.get(C.MP_WORLD_SIZE)
+
+
+def _client_state(model_state: dict[str, Any], loaded_optimizer: bool, loaded_scheduler: bool) -> dict[str, Any]:
+    excluded = set(C.CLIENT_STATE_EXCLUDED_KEYS)
+    if loaded_optimizer:
+        excluded.add(C.OPTIMIZER)
+    if loaded_scheduler:
+        excluded.add(C.LR_SCHEDULER)
+    return {key: value for key, value in model_state.items() if key not in excluded}
+
+
+def zero_to_fp32_source() -> str:
+    from zerospeed.utils import zero_to_fp32
+
+    return zero_to_fp32.__file__
+
+
+def model_states_version() -> str:
+    from zerospeed.version import __version__
+
+    return __version__

@@ -1,0 +1,1 @@
+"""Checkpoints in DeepSpeed's layout: crash-safe writes, verified loads, resharding (docs/checkpointing.md)."""

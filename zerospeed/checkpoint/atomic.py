@@ -1,0 +1,141 @@
+"""Crash-safe checkpoint writes: temporary tag directory, fsync, manifest, rename, `latest` last.
+
+[Note: atomic save]
+    1. rank 0 creates `<save_dir>/.<tag>.tmp` (a stale one from a crashed save is removed); barrier.
+    2. every rank writes its files there, fsyncs each, and records them in a manifest part; barrier.
+    3. rank 0 merges the parts into `zs_manifest.json`, fsyncs, and renames the directory to
+       `<save_dir>/<tag>` (an existing tag is first moved to `.<tag>.old`, removed afterwards).
+    4. rank 0 replaces `zero_to_fp32.py` and then `latest` with write-to-temp + os.replace; barrier.
+A kill at any point leaves `latest` naming a complete, verified directory: before step 3 the new
+files are only in the temporary directory; between the two renames of step 3 the previous
+version sits in `.<tag>.old`, which `resolve_tag_dir` falls back to.
+
+Tests kill the saving process for real: ZEROSPEED_CHECKPOINT_CRASH_AT=<point>[@<rank>] makes
+`crash_point(<point>)` SIGKILL the process (points: after_mkdir, mid_file, after_files,
+before_rename, between_renames, after_rename, before_latest, after_latest).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.checkpoint.layout import LATEST
+from zerospeed.checkpoint.manifest import file_entry, merge_manifest_parts, write_manifest_part
+
+__all__ = ["CheckpointTransaction", "crash_point", "resolve_tag_dir", "write_text_durably", "CRASH_ENV"]
+
+CRASH_ENV = "ZEROSPEED_CHECKPOINT_CRASH_AT"
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process when the crash-test hook names this point (and rank)."""
+    wanted = os.environ.get(CRASH_ENV)
+    if not wanted:
+        return
+    point, _, rank = wanted.partition("@")
+    this_rank = comm.get_rank() if comm.is_initialized() else 0
+    if point == name and (not rank or int(rank) == this_rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_durably(path: str, text: str) -> None:
+    """Write `path` through a temporary file and os.replace, fsyncing file and directory."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def resolve_tag_dir(load_dir: str, tag: str) -> str:
+    """The directory of `tag`, or its `.old` copy when a crash hit between the two renames."""
+    tag_dir = os.path.join(load_dir, tag)
+    old = os.path.join(load_dir, f".{tag}.old")
+    if not os.path.isdir(tag_dir) and os.path.isdir(old):
+        return old
+    return tag_dir
+
+
+class CheckpointTransaction:
+    """One save of one tag by every rank of `group`. See [Note: atomic save]."""
+
+    def __init__(self, save_dir: str, tag: str, group: Any = None) -> None:
+        self.save_dir, self.tag, self.group = save_dir, tag, group
+        self.rank = comm.get_rank(group)
+        self.world_size = comm.get_world_size(group)
+        self.tmp_dir = os.path.join(save_dir, f".{tag}.tmp")
+        self.final_dir = os.path.join(save_dir, tag)
+        self._entries: dict[str, dict[str, Any]] = {}
+
+    def begin(self) -> "CheckpointTransaction":
+        if self.rank == 0:
+            os.makedirs(self.save_dir, exist_ok=True)
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            os.makedirs(self.tmp_dir)
+        comm.barrier(self.group)
+        crash_point("after_mkdir")
+        return self
+
+    def write(self, name: str, obj: Any) -> None:
+        path = os.path.join(self.tmp_dir, name)
+        with open(path, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            if os.environ.get(CRASH_ENV, "").startswith("mid_file"):
+                handle.truncate(handle.tell() // 2)
+                crash_point("mid_file")
+            os.fsync(handle.fileno())
+        self._entries[name] = file_entry(path)
+
+    def commit(self, save_latest: bool, extra_files: dict[str, str] | None = None) -> None:
+        write_manifest_part(self.tmp_dir, self.rank, self._entries)
+        crash_point("after_files")
+        comm.barrier(self.group)
+        if self.rank == 0:
+            merge_manifest_parts(self.tmp_dir, self.tag, self.world_size)
+            fsync_dir(self.tmp_dir)
+            self._rename_into_place()
+            for name, source in (extra_files or {}).items():
+                self._copy_durably(source, os.path.join(self.save_dir, name))
+            crash_point("before_latest")
+            if save_latest:
+                write_text_durably(os.path.join(self.save_dir, LATEST), self.tag)
+            crash_point("after_latest")
+        comm.barrier(self.group)
+
+    def _rename_into_place(self) -> None:
+        crash_point("before_rename")
+        old = os.path.join(self.save_dir, f".{self.tag}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(self.final_dir):
+            os.rename(self.final_dir, old)
+            crash_point("between_renames")
+        os.rename(self.tmp_dir, self.final_dir)
+        fsync_dir(self.save_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        crash_point("after_rename")
+
+    @staticmethod
+    def _copy_durably(source: str, target: str) -> None:
+        tmp = f"{target}.tmp{os.getpid()}"
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o755)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)

@@ -1,0 +1,121 @@
+"""The full (unpartitioned) optimizer state of a checkpoint, keyed by parameter name.
+
+[Note: full layout]
+Resharding goes through one representation: for every trainable parameter its full fp32 master
+(`fp32[name]`, in the parameter's shape), its per-element optimizer moments
+(`moments[name][key]`, e.g. exp_avg, exp_avg_sq) and its scalar state (`scalars[name][key]`,
+e.g. step), plus the hyperparameters of each param group. Exporters read saved files of any
+stage and data-parallel size into it; importers cut from it the state dict the *current*
+wrapper's `load_state_dict` expects (see zero_checkpoint.py). A tensor state counts as
+per-element when it has as many elements as the partition (stage 1/2) or the parameter (stage 0).
+The representation holds the whole model's fp32 state on each rank while a resharded load runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zerospeed.checkpoint import constants as C
+
+__all__ = ["FullOptimizerState", "export_stage0", "export_zero12", "fragment_bounds", "merge_param_shapes"]
+
+
+@dataclasses.dataclass
+class FullOptimizerState:
+    fp32: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    moments: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    scalars: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    loss_scaler: dict[str, Any] | None = None
+    overflow: bool = False
+
+
+def merge_param_shapes(param_shapes: Any) -> dict[str, torch.Size]:
+    """`param_shapes` is a list per group of name -> shape (or one dict); merged in order."""
+    groups = param_shapes if isinstance(param_shapes, list) else [param_shapes]
+    return {name: torch.Size(shape) for group in groups for name, shape in group.items()}
+
+
+def fragment_bounds(address: Any) -> tuple[int, int]:
+    """(start, numel) of a `param_slice_mappings` entry: our dict, or DeepSpeed's fragment_address."""
+    if isinstance(address, dict):
+        return int(address["start"]), int(address["numel"])
+    return int(address.start), int(address.numel)
+
+
+def _hyperparams(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
+
+
+def export_stage0(optimizer_state: dict[str, Any], module_state: dict[str, torch.Tensor]) -> FullOptimizerState:
+    """From a stage-0 model file's `optimizer` entry (ours: it carries `param_names`)."""
+    if "param_names" not in optimizer_state:
+        raise ValueError("stage-0 optimizer state has no 'param_names': cannot reshard it by name")
+    torch_state = optimizer_state[C.OPTIMIZER_STATE_DICT]
+    full = FullOptimizerState(param_groups=_hyperparams(torch_state["param_groups"]),
+                              loss_scaler=optimizer_state.get(C.LOSS_SCALER),
+                              overflow=bool(optimizer_state.get("overflow", False)))
+    masters = iter(optimizer_state.get("fp32_groups") or [])
+    has_masters = "fp32_groups" in optimizer_state
+    for group, names, trainable in zip(torch_state["param_groups"], optimizer_state["param_names"],
+                                       optimizer_state["trainable"]):
+        for index, name, is_trainable in zip(group["params"], names, trainable):
+            if not is_trainable:
+                continue
+            full.fp32[name] = (next(masters) if has_masters else module_state[name]).float()
+            _split_state(full, name, torch_state["state"].get(index, {}), full.fp32[name].numel(), None)
+    _join_moments(full)
+    return full
+
+
+def _join_moments(full: FullOptimizerState) -> None:
+    for name, by_key in full.moments.items():
+        for key, parts in list(by_key.items()):
+            by_key[key] = torch.cat(parts).view(full.fp32[name].shape)  # type: ignore[arg-type]
+
+
+def _split_state(full: FullOptimizerState, name: str, state: dict[str, Any], per_element_numel: int,
+                 window: tuple[int, int] | None) -> None:
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == per_element_numel:
+            piece = value.reshape(-1) if window is None else value.reshape(-1).narrow(0, *window)
+            full.moments.setdefault(name, {}).setdefault(key, [])  # type: ignore[arg-type]
+            full.moments[name][key].append(piece)  # type: ignore[attr-defined]
+        else:
+            full.scalars.setdefault(name, {})[key] = value
+
+
+def export_zero12(optim_states: Iterable[dict[str, Any]], param_shapes: Any) -> FullOptimizerState:
+    """From every rank's ZeRO 1/2 `optimizer_state_dict`, read one at a time in dp-rank order."""
+    shapes = merge_param_shapes(param_shapes)
+    full = FullOptimizerState()
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for dp_rank, state in enumerate(optim_states):
+        if dp_rank == 0:
+            base = state[C.BASE_OPTIMIZER_STATE]
+            full.param_groups = _hyperparams(base["param_groups"])
+            full.loss_scaler, full.overflow = state.get(C.LOSS_SCALER), bool(state.get("overflow", False))
+        _export_zero12_rank(state, full, pieces, first_rank=dp_rank == 0)
+    for name, parts in pieces.items():
+        full.fp32[name] = torch.cat(parts).view(shapes[name])
+    _join_moments(full)
+    return full
+
+
+def _export_zero12_rank(state: dict[str, Any], full: FullOptimizerState, pieces: dict[str, list[torch.Tensor]],
+                        first_rank: bool) -> None:
+    base = state[C.BASE_OPTIMIZER_STATE]
+    for g, lean in enumerate(state[C.SINGLE_PARTITION_OF_FP32_GROUPS]):
+        partition_numel = lean.numel() + int(state[C.GROUP_PADDINGS][g])
+        group_state = base["state"].get(base["param_groups"][g]["params"][0], {})
+        for name, address in state[C.PARAM_SLICE_MAPPINGS][g].items():
+            start, numel = fragment_bounds(address)
+            pieces.setdefault(name, []).append(lean.narrow(0, start, numel).float())
+            scalars_before = dict(full.scalars.get(name, {}))
+            _split_state(full, name, group_state, partition_numel, (start, numel))
+            if not first_rank and scalars_before:
+                full.scalars[name] = scalars_before   # scalar state is the same on every rank: keep rank 0's

@@ -1,0 +1,238 @@
+"""Save and load of the optimizer side of a checkpoint, with re-partitioning on load.
+
+Same stage, same data-parallel size: each rank reads only its own optim file (or, at stage 0, the
+model file's `optimizer` entry) and hands it to the wrapper's `load_state_dict`, as DeepSpeed
+does. Otherwise (another dp size, another stage, stage 0 saved in another precision) every
+rank reads the saved state into the full layout ([Note: full layout] in full_state.py) and cuts
+from it the state dict its current wrapper expects: the fp32 masters and moments come back
+exactly, whatever the partitioning was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint.full_state import FullOptimizerState, export_stage0, export_zero12, fragment_bounds
+from zerospeed.checkpoint.layout import find_model_files, find_optim_files
+from zerospeed.checkpoint.manifest import load_file, verify_files
+
+__all__ = ["SavedLayout", "discover", "load_optimizer_state", "trainable_names_per_group"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedLayout:
+    """What a tag directory holds: its stage, dp size and files (dp-rank order)."""
+
+    tag_dir: str
+    zero_stage: int
+    dp_world_size: int
+    model_files: list[str]
+    optim_files: list[str]
+
+
+def discover(tag_dir: str, bf16_first: bool) -> SavedLayout:
+    model_files = find_model_files(tag_dir)
+    if not model_files:
+        raise FileNotFoundError(f"no *_model_states.pt file in checkpoint directory {tag_dir}")
+    optim_files = find_optim_files(tag_dir, bf16_first)
+    if not optim_files:
+        return SavedLayout(tag_dir, 0, 1, model_files, [])
+    first = load_file(optim_files[0], mmap=True)[C.OPTIMIZER_STATE_DICT]
+    stage = int(first.get(C.ZERO_STAGE, 0))
+    counts = first[C.PARTITION_COUNT]
+    dp_world_size = int(max(counts) if isinstance(counts, list) else counts)
+    if len(optim_files) != dp_world_size:
+        raise ValueError(f"checkpoint {tag_dir} has {len(optim_files)} optim files, expected {dp_world_size} "
+                         f"(its partition_count): a rank's file is missing")
+    return SavedLayout(tag_dir, stage, dp_world_size, model_files, optim_files)
+
+
+# --- what the current wrapper holds ---------------------------------------------------------------
+def trainable_names_per_group(engine: Any) -> list[list[str]]:
+    """Trainable parameter names per optimizer group, in the wrapper's (flat) order."""
+    wrapper = engine.optimizer
+    if hasattr(wrapper, "bit16_groups"):
+        return [[engine.param_names[p] for p in group] for group in wrapper.bit16_groups]
+    return [[names[i] for i, t in enumerate(trainable) if t]
+            for names, trainable in zip(*stage0_param_names(engine))]
+
+
+def stage0_param_names(engine: Any) -> tuple[list[list[str]], list[list[bool]]]:
+    """Names of every param in the stage-0 base optimizer's groups (masters named by their lp
+    param) and whether each is trainable: the key from torch's indexed state to names."""
+    wrapper = engine.optimizer
+    lp_params = getattr(wrapper, "_lp_params", [])
+    masters = getattr(wrapper, "_masters", lp_params)
+    name_of = {id(m): engine.param_names[p] for m, p in zip(masters, lp_params)}
+    name_of.update({id(p): n for p, n in engine.param_names.items()})
+    names = [[name_of[id(p)] for p in g["params"]] for g in wrapper.optimizer.param_groups]
+    trainable = [[p.requires_grad for p in g["params"]] for g in wrapper.optimizer.param_groups]
+    return names, trainable
+
+
+def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
+    """The model file's `optimizer` at stage 0: the wrapper's state dict plus param names."""
+    state = engine.optimizer.state_dict()
+    state["param_names"], state["trainable"] = stage0_param_names(engine)
+    return state
+
+
+# --- loading ----------------------------------------------------------------------------------------
+def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str, Any],
+                         load_optimizer_states: bool) -> None:
+    stage, dp_rank = engine.zero_optimization_stage(), _dp_rank(engine)
+    if stage >= 3:
+        raise NotImplementedError("ZeRO-3 checkpoint loading lands with stage3.py")
+    if not load_optimizer_states:
+        _restore_from_module(engine)
+        return
+    same_partitioning = saved.zero_stage == stage and (stage == 0 or saved.dp_world_size == engine.dp_world_size)
+    if same_partitioning and not _stage0_precision_changed(engine, saved, model_state):
+        if stage == 0:
+            engine.optimizer.load_state_dict(model_state[C.OPTIMIZER], load_optimizer_states=True)
+        else:
+            verify_files(saved.tag_dir, [os.path.basename(saved.optim_files[dp_rank])])
+            own = load_file(saved.optim_files[dp_rank])[C.OPTIMIZER_STATE_DICT]
+            engine.optimizer.load_state_dict(own, load_optimizer_states=True)
+        return
+    import_full_state(engine, export_full_state(saved, model_state), load_optimizer_states=True)
+
+
+def _stage0_precision_changed(engine: Any, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
+    if saved.zero_stage != 0:
+        return False
+    return ("fp32_groups" in (model_state[C.OPTIMIZER] or {})) != bool(engine.optimizer.precision.low_precision)
+
+
+def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOptimizerState:
+    if saved.zero_stage == 0:
+        return export_stage0(model_state[C.OPTIMIZER], model_state[C.MODULE])
+    if saved.zero_stage in (1, 2):
+        verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
+        return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])
+    raise NotImplementedError("resharding a ZeRO-3 checkpoint lands with stage3.py")
+
+
+def _each_optim_state(saved: SavedLayout) -> Iterator[dict[str, Any]]:
+    for path in saved.optim_files:
+        yield load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
+
+
+def _restore_from_module(engine: Any) -> None:
+    """DeepSpeed's `_restore_from_bit16_weights`: fp32 masters re-derived from the module weights."""
+    wrapper = engine.optimizer
+    if hasattr(wrapper, "refresh_fp32_params"):
+        wrapper.refresh_fp32_params()
+        return
+    full = FullOptimizerState(fp32={n: p.detach().float() for n, p in engine.module.named_parameters()})
+    import_full_state(engine, full, load_optimizer_states=False)
+
+
+def import_full_state(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
+    if engine.zero_optimization_stage() == 0:
+        _import_stage0(engine, full, load_optimizer_states)
+    else:
+        _import_zero12(engine, full, load_optimizer_states)
+
+
+def _common(current: dict[str, Any], full: FullOptimizerState) -> dict[str, Any]:
+    if full.loss_scaler is not None:
+        current[C.LOSS_SCALER] = full.loss_scaler
+        current["overflow"] = full.overflow
+    return current
+
+
+def _with_hyperparams(param_groups: list[dict[str, Any]], full: FullOptimizerState) -> list[dict[str, Any]]:
+    if full.param_groups and len(full.param_groups) != len(param_groups):
+        raise ValueError(f"the checkpoint has {len(full.param_groups)} optimizer param groups, "
+                         f"this run has {len(param_groups)}")
+    return [{**group, **(full.param_groups[i] if full.param_groups else {}), "params": group["params"]}
+            for i, group in enumerate(param_groups)]
+
+
+def _import_stage0(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
+    wrapper = engine.optimizer
+    current = _common(wrapper.state_dict(), full)
+    torch_state = current[C.OPTIMIZER_STATE_DICT]
+    names, trainable = stage0_param_names(engine)
+    state: dict[int, dict[str, Any]] = {}
+    masters: list[torch.Tensor] = []
+    for group, group_names, group_trainable in zip(torch_state["param_groups"], names, trainable):
+        for index, name, is_trainable in zip(group["params"], group_names, group_trainable):
+            if not is_trainable:
+                continue
+            masters.append(_require(full.fp32, name).clone())
+            if name in full.moments:
+                state[index] = {**full.scalars.get(name, {}),
+                                **{k: v.clone() for k, v in full.moments[name].items()}}
+    torch_state["state"] = state
+    torch_state["param_groups"] = _with_hyperparams(torch_state["param_groups"], full)
+    if "fp32_groups" in current:
+        current["fp32_groups"] = masters
+    else:
+        _copy_into_params(engine, full)
+    wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
+
+
+@torch.no_grad()
+def _copy_into_params(engine: Any, full: FullOptimizerState) -> None:
+    for param, name in engine.param_names.items():
+        if param.requires_grad:
+            param.copy_(_require(full.fp32, name))
+
+
+def _require(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"parameter {name!r} is not in the checkpoint's optimizer state")
+    return tensors[name]
+
+
+def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
+    wrapper = engine.optimizer
+    current = _common(wrapper.state_dict(), full)
+    dp_rank = _dp_rank(engine)
+    base = current[C.BASE_OPTIMIZER_STATE]
+    state: dict[int, dict[str, Any]] = {}
+    for g, group_names in enumerate(trainable_names_per_group(engine)):
+        lean = current[C.SINGLE_PARTITION_OF_FP32_GROUPS][g]
+        partition_numel = lean.numel() + int(current[C.GROUP_PADDINGS][g])
+        offsets = _flat_offsets(engine, wrapper.bit16_groups[g], group_names)
+        group_start = dp_rank * partition_numel
+        new_lean = torch.zeros_like(lean)
+        moments: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for name, address in current[C.PARAM_SLICE_MAPPINGS][g].items():
+            start, numel = fragment_bounds(address)
+            param_start = group_start + start - offsets[name]
+            new_lean.narrow(0, start, numel).copy_(_require(full.fp32, name).reshape(-1).narrow(0, param_start, numel))
+            for key, value in full.moments.get(name, {}).items():
+                moment = moments.setdefault(key, torch.zeros(partition_numel, dtype=value.dtype))
+                moment.narrow(0, start, numel).copy_(value.reshape(-1).narrow(0, param_start, numel))
+            scalars = scalars or dict(full.scalars.get(name, {}))
+        current[C.SINGLE_PARTITION_OF_FP32_GROUPS][g] = new_lean
+        if moments:
+            state[base["param_groups"][g]["params"][0]] = {**scalars, **moments}
+    base["state"] = state
+    base["param_groups"] = _with_hyperparams(base["param_groups"], full)
+    current[C.PARTITION_COUNT] = [engine.dp_world_size] * len(current[C.SINGLE_PARTITION_OF_FP32_GROUPS])
+    wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
+
+
+def _flat_offsets(engine: Any, params: list[torch.nn.Parameter], names: list[str]) -> dict[str, int]:
+    offsets, total = {}, 0
+    for param, name in zip(params, names):
+        offsets[name] = total
+        total += param.numel()
+    return offsets
+
+
+def _dp_rank(engine: Any) -> int:
+    from zerospeed import comm
+
+    return comm.get_rank(engine.dp_group)

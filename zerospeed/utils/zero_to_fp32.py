@@ -1,0 +1,380 @@
+#!/usr/bin/env python
+"""Merge a ZeRO checkpoint's shards into full fp32 weights: one state dict, or files for Hugging Face.
+
+    python zero_to_fp32.py <checkpoint_dir> <output_dir> [--max_shard_size 5GB] [--safe_serialization]
+                           [-t TAG] [--exclude_frozen_parameters] [-d]
+
+Standalone: torch, the standard library and (for --safe_serialization) safetensors, nothing else,
+because a copy of this file is written into every checkpoint directory.
+
+[Note: bounded memory]
+The input files are opened with mmap (nothing is read until a tensor is touched; the optimizer
+moments never are). Each output tensor is a `_Source`: a shape plus a function that builds it
+from the mapped partitions. The shard plan needs only the shapes, so files are written one shard
+at a time and each parameter is materialized once, just before its shard is saved: peak memory
+is about one output shard plus the touched input pages, not the model size.
+
+Layouts read (reference §7.4): stage 1/2 (lean fp32 partitions concatenated in rank order, cut
+by `param_shapes`), stage 3 (each parameter split into ceil(numel/W) chunks per rank), and
+zerospeed's stage 0 (no optim files: fp32 masters or fp32 module weights from the model file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+           "load_state_dict_from_zero_checkpoint"]
+
+_MANIFEST = "zs_manifest.json"
+_ALLOW_PICKLE_ENV = "ZEROSPEED_CHECKPOINT_ALLOW_PICKLE"
+debug = False
+
+
+class _Source:
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, build: Callable[[], torch.Tensor],
+                 alias_of: str | None = None) -> None:
+        self.shape, self.dtype, self.build, self.alias_of = torch.Size(shape), dtype, build, alias_of
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.alias_of else math.prod(self.shape) * self.dtype.itemsize
+
+
+def _natural_key(path: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _load(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 - name the file, whatever torch raised
+        if "Weights only load failed" in str(error) and os.environ.get(_ALLOW_PICKLE_ENV) == "1":
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        raise ValueError(f"cannot read checkpoint file {path} (missing, truncated, corrupt, or it needs "
+                         f"unpickling: set {_ALLOW_PICKLE_ENV}=1 only if you trust it): {error}") from error
+
+
+def _verify(tag_dir: str, paths: list[str]) -> None:
+    manifest_path = os.path.join(tag_dir, _MANIFEST)
+    if not os.path.exists(manifest_path):
+        return
+    with open(manifest_path) as handle:
+        listed = json.load(handle)["files"]
+    for path in paths:
+        name = os.path.basename(path)
+        if name not in listed:
+            continue
+        if os.path.getsize(path) != listed[name]["size"]:
+            raise ValueError(f"checkpoint file {path} is truncated or overwritten: {os.path.getsize(path)} "
+                             f"bytes, the manifest records {listed[name]['size']}")
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(8 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != listed[name]["sha256"]:
+            raise ValueError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest")
+    for name in listed:
+        if name.endswith(".pt") and not os.path.exists(os.path.join(tag_dir, name)):
+            raise ValueError(f"checkpoint file {os.path.join(tag_dir, name)} is missing")
+
+
+def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.isfile(latest):
+            raise ValueError(f"Unable to find 'latest' file at {latest}")
+        with open(latest) as handle:
+            tag = handle.read().strip()
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise FileNotFoundError(f"Directory '{tag_dir}' doesn't exist")
+    return tag_dir
+
+
+def _merged_shapes(param_shapes) -> OrderedDict:
+    groups = param_shapes if isinstance(param_shapes, list) else [param_shapes]
+    return OrderedDict((name, torch.Size(shape)) for group in groups for name, shape in group.items())
+
+
+def _narrow_across(tensors: list[torch.Tensor], offset: int, numel: int) -> list[torch.Tensor]:
+    """Elements [offset, offset + numel) of the concatenation of `tensors`, as pieces."""
+    pieces = []
+    for tensor in tensors:
+        if numel <= 0:
+            break
+        if offset >= tensor.numel():
+            offset -= tensor.numel()
+            continue
+        take = min(numel, tensor.numel() - offset)
+        pieces.append(tensor.narrow(0, offset, take))
+        offset, numel = 0, numel - take
+    if numel > 0:
+        raise ValueError("the fp32 partitions hold fewer elements than param_shapes needs: checkpoint is damaged")
+    return pieces
+
+
+def _cat(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    return torch.cat([p.float() for p in pieces]).view(shape) if pieces else torch.empty(shape)
+
+
+class _ZeroCheckpoint:
+    """The `_Source`s of one tag directory, in the module's state-dict order."""
+
+    def __init__(self, tag_dir: str, exclude_frozen_parameters: bool) -> None:
+        self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
+        self.model_files = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
+        self.optim_files = sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
+        if not self.model_files:
+            raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
+        _verify(tag_dir, self.model_files + self.optim_files)
+        self.model0 = _load(self.model_files[0])
+        self.sources: OrderedDict[str, _Source] = OrderedDict()
+
+    def collect(self) -> OrderedDict:
+        stage = self._read_optim_files()
+        if stage == 0:
+            self._stage0_params()
+        elif stage in (1, 2):
+            self._zero12_params()
+        else:
+            self._zero3_params()
+        self._buffers()
+        self._shared()
+        return self._in_module_order()
+
+    def _read_optim_files(self) -> int:
+        if not self.optim_files:
+            return 0
+        self.optim = []
+        for path in self.optim_files:
+            state = _load(path)["optimizer_state_dict"]
+            if "zero_stage" not in state:
+                raise ValueError(f"{path} is not a zero checkpoint (no 'zero_stage')")
+            self.optim.append(state)
+        stage = int(self.optim[0]["zero_stage"])
+        counts = self.optim[0]["partition_count"]
+        self.world_size = int(max(counts) if isinstance(counts, list) else counts)
+        if len(self.optim) != self.world_size:
+            raise ValueError(f"Expected {self.world_size} of '*_optim_states.pt' under '{self.tag_dir}' but found "
+                             f"{len(self.optim)} files. Possibly due to an overwrite of an old checkpoint, "
+                             "or a checkpoint didn't get saved by one or more processes.")
+        if debug:
+            print(f"zero stage {stage}, dp world size {self.world_size}, {len(self.optim)} optim files")
+        return stage
+
+    def _stage0_params(self) -> None:
+        module = self.model0["module"]
+        shapes = _merged_shapes(self.model0.get("param_shapes") or [])
+        optimizer = self.model0.get("optimizer") or {}
+        masters = dict(zip(shapes, optimizer.get("fp32_groups") or []))
+        for name, tensor in module.items():
+            if name in self.model0.get("buffer_names", []) or name in (self.model0.get("shared_params") or {}):
+                continue
+            if tensor.numel() == 0:
+                raise ValueError(f"tensor {name!r} in {self.model_files[0]} is empty: this model file holds no "
+                                 "weights (a ZeRO-3 model file without its optim files?)")
+            frozen = shapes and name not in shapes
+            if frozen and self.exclude_frozen:
+                continue
+            source = masters.get(name, tensor)
+            self.sources[name] = _Source(tensor.shape, torch.float32, lambda s=source: s.float().clone())
+
+    def _zero12_params(self) -> None:
+        for g, shapes in enumerate(self.model0["param_shapes"]):
+            leans = [state["single_partition_of_fp32_groups"][g] for state in self.optim]
+            paddings = [state.get("param_alignment_paddings", [[]] * (g + 1))[g] for state in self.optim][0]
+            offset = 0
+            for k, (name, shape) in enumerate(shapes.items()):
+                numel = math.prod(shape)
+                self.sources[name] = _Source(shape, torch.float32, lambda o=offset, n=numel, s=shape, t=leans:
+                                             _cat(_narrow_across(t, o, n), torch.Size(s)))
+                offset += numel + (int(paddings[k]) if k < len(paddings) else 0)
+            available = sum(t.numel() for t in leans)
+            align = 2 * self.world_size
+            if -(-offset // align) * align != -(-available // align) * align:
+                raise ValueError(f"group {g}: consumed {offset} numels out of {available} - something is wrong")
+        self._frozen_full(self.model0)
+
+    def _frozen_full(self, model_state: dict) -> None:
+        if self.exclude_frozen:
+            return
+        for name, tensor in (model_state.get("frozen_param_fragments") or {}).items():
+            self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+
+    def _zero3_params(self) -> None:
+        world_size = self.world_size
+        flats = [state["fp32_flat_groups"] for state in self.optim]
+        offset = 0
+        for name, shape in _merged_shapes(self.model0["param_shapes"]).items():
+            numel = math.prod(shape)
+            psize = -(-numel // world_size)
+
+            def build(o=offset, n=numel, p=psize, s=shape):
+                pieces = [piece for rank_flat in flats for piece in _narrow_across(rank_flat, o, p)]
+                return torch.cat([x.float() for x in pieces]).narrow(0, 0, n).view(s).clone()
+
+            self.sources[name] = _Source(shape, torch.float32, build)
+            offset += psize
+        available = sum(t.numel() for t in flats[0])
+        if offset != available:
+            raise ValueError(f"consumed {offset} numels per rank out of {available} - something is wrong")
+        self._zero3_frozen()
+
+    def _zero3_frozen(self) -> None:
+        shapes = self.model0.get("frozen_param_shapes")
+        if self.exclude_frozen or not shapes:
+            return
+        models = [self.model0] + [_load(path) for path in self.model_files[1:]]
+        for name, shape in shapes.items():
+            fragments = [m["frozen_param_fragments"][name] for m in models]
+            self.sources[name] = _Source(shape, torch.float32, lambda f=fragments, s=shape:
+                                         torch.cat([x.float() for x in f]).narrow(0, 0, math.prod(s)).view(s))
+
+    def _buffers(self) -> None:
+        module = self.model0["module"]
+        for name in self.model0.get("buffer_names", []):
+            tensor = module[name]
+            dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+            self.sources[name] = _Source(tensor.shape, dtype, lambda t=tensor, d=dtype: t.to(d).clone())
+
+    def _shared(self) -> None:
+        for alias, owner in (self.model0.get("shared_params") or {}).items():
+            if owner in self.sources:
+                self.sources[alias] = _Source(self.sources[owner].shape, torch.float32, lambda: None, alias_of=owner)
+
+    def _in_module_order(self) -> OrderedDict:
+        if not any(s.nbytes for s in self.sources.values()) and not any(
+                math.prod(s.shape) for s in self.sources.values()):
+            raise ValueError(f"checkpoint {self.tag_dir} holds no parameter data (all tensors empty)")
+        order = [name for name in self.model0["module"] if name in self.sources]
+        order += [name for name in self.sources if name not in set(order)]
+        return OrderedDict((name, self.sources[name]) for name in order)
+
+
+def _sources(checkpoint_dir: str, tag: str | None, exclude_frozen_parameters: bool) -> OrderedDict:
+    return _ZeroCheckpoint(_tag_dir(checkpoint_dir, tag), exclude_frozen_parameters).collect()
+
+
+def _materialize(sources: OrderedDict, names: list[str]) -> OrderedDict:
+    tensors: OrderedDict = OrderedDict()
+    for name in names:
+        source = sources[name]
+        if source.alias_of is None:
+            tensors[name] = source.build()
+    for name in names:
+        if sources[name].alias_of is not None:
+            tensors[name] = tensors[sources[name].alias_of]
+    return tensors
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False) -> OrderedDict:
+    """The whole fp32 state dict (params, buffers, tied aliases) on CPU."""
+    sources = _sources(checkpoint_dir, tag, exclude_frozen_parameters)
+    return _materialize(sources, list(sources))
+
+
+def parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)?\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size {size!r} is not a size like '5GB' or '500MiB'")
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(float(match.group(1)) * units[match.group(2) or "B"])
+
+
+def plan_shards(sources: OrderedDict, max_shard_bytes: int | None) -> list[list[str]]:
+    """Hugging Face's greedy split: a new shard when the next tensor would overflow; aliases ride along."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    shard_of: dict[str, int] = {}
+    for name, source in sources.items():
+        if source.alias_of is not None:
+            continue
+        if max_shard_bytes is not None and shards[-1] and size + source.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        shard_of[name] = len(shards) - 1
+        size += source.nbytes
+    for name, source in sources.items():
+        if source.alias_of is not None:
+            shards[shard_of[source.alias_of]].append(name)
+    return shards
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size="5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> None:
+    """Write `pytorch_model.bin` / `model.safetensors`, or shards plus the HF index, one shard at a time."""
+    sources = _sources(checkpoint_dir, tag, exclude_frozen_parameters)
+    if safe_serialization:  # safetensors refuses shared storage; HF re-ties the aliases on load
+        sources = OrderedDict((n, s) for n, s in sources.items() if s.alias_of is None)
+    shards = plan_shards(sources, None if max_shard_size is None else parse_size(max_shard_size))
+    stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+    names = [f"{stem}.{ext}"] if len(shards) == 1 else [
+        f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+    os.makedirs(output_dir, exist_ok=True)
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        tensors = _materialize(sources, shard)
+        if debug:
+            print(f"writing {file_name}: {len(tensors)} tensors")
+        _save(tensors, os.path.join(output_dir, file_name), safe_serialization)
+        weight_map.update({name: file_name for name in tensors})
+        del tensors
+    if len(shards) > 1:
+        total = sum(s.nbytes for s in sources.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(output_dir, f"{stem}.{ext}.index.json"), "w") as handle:
+            handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save(tensors: OrderedDict, path: str, safe_serialization: bool) -> None:
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path)
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None):
+    """Load the merged fp32 weights into `model` (moved to CPU, strict=False) and return it."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    global debug
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint_dir", help="the folder holding 'latest' and the tag folders")
+    parser.add_argument("output_dir", help="where pytorch_model.bin / model.safetensors (or shards) go")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest output shard, e.g. 5GB, 500MiB")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the 'latest' file)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    parser.add_argument("-d", "--debug", action="store_true")
+    args = parser.parse_args(argv)
+    debug = args.debug
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
+                                               args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+
+
+if __name__ == "__main__":
+    main()
