@@ -8,8 +8,9 @@ flags. `load()` returns the compiled Python module:
 3. a JIT build with `torch.utils.cpp_extension.load` (ninja) into that directory.
 
 [Note: op cache key] The cache directory is `<root>/<name>_<key>`, where `key` hashes the source
-and header bytes, the compiler flags (so the SIMD level), the compiler, torch's version and the
-Python ABI. A change to any of them gets a fresh directory, never a stale `.so`; the same inputs
+and header bytes, the compiler flags (so the SIMD level), torch's version and the Python ABI:
+what the binary's behaviour and interface depend on. The compiler is not part of it, so a cache
+prebuilt in an image with a compiler loads where there is none. A change to any of them gets a fresh directory, never a stale `.so`; the same inputs
 always find the earlier build, across processes and across ranks. `<root>` is `ZS_EXTENSIONS_DIR`,
 else `TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions`, each with a `zerospeed/` subfolder.
 Prebuilding (`python -m zerospeed.ops.op_builder prebuild`) fills the same directories, and
@@ -132,7 +133,7 @@ class OpBuilder(abc.ABC):
         for path in files:
             digest.update(Path(path).name.encode())
             digest.update(Path(path).read_bytes() if os.path.isfile(path) else b"<missing>")
-        inputs = [*self.cxx_args(), *self.extra_ldflags(), _compiler(), torch.__version__,
+        inputs = [*self.cxx_args(), *self.extra_ldflags(), torch.__version__,
                   sysconfig.get_config_var("EXT_SUFFIX") or ""]
         digest.update("\0".join(inputs).encode())
         return digest.hexdigest()[:16]
