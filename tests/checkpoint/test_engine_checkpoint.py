@@ -9,7 +9,7 @@ import zerospeed
 from distributed import run_on_ranks
 from parity import global_batches, make_model, micro_batch
 
-GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER = 8, 3, 5
+GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER = 12, 3, 5
 PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
 

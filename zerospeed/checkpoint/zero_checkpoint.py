@@ -169,7 +169,8 @@ def _import_stage0(engine: Any, full: FullOptimizerState, load_optimizer_states:
                 continue
             masters.append(_require(full.fp32, name).clone())
             if name in full.moments:
-                state[index] = {**full.scalars.get(name, {}),
+                # one tensor per param: torch's Adam increments `step` in place
+                state[index] = {**_cloned(full.scalars.get(name, {})),
                                 **{k: v.clone() for k, v in full.moments[name].items()}}
     torch_state["state"] = state
     torch_state["param_groups"] = _with_hyperparams(torch_state["param_groups"], full)
@@ -214,7 +215,7 @@ def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states:
             for key, value in full.moments.get(name, {}).items():
                 moment = moments.setdefault(key, torch.zeros(partition_numel, dtype=value.dtype))
                 moment.narrow(0, start, numel).copy_(value.reshape(-1).narrow(0, param_start, numel))
-            scalars = scalars or dict(full.scalars.get(name, {}))
+            scalars = scalars or _cloned(full.scalars.get(name, {}))
         current[C.SINGLE_PARTITION_OF_FP32_GROUPS][g] = new_lean
         if moments:
             state[base["param_groups"][g]["params"][0]] = {**scalars, **moments}
@@ -222,6 +223,10 @@ def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states:
     base["param_groups"] = _with_hyperparams(base["param_groups"], full)
     current[C.PARTITION_COUNT] = [engine.dp_world_size] * len(current[C.SINGLE_PARTITION_OF_FP32_GROUPS])
     wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
+
+
+def _cloned(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()}
 
 
 def _flat_offsets(engine: Any, params: list[torch.nn.Parameter], names: list[str]) -> dict[str, int]:
