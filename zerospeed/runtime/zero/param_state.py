@@ -1,0 +1,224 @@
+"""The stage-3 parameter state machine and the typed per-parameter state.
+
+[Note: parameter states]
+A ZeRO-3 parameter is in one of three states (DeepSpeed's names and values):
+
+    NOT_AVAILABLE --gather issued--> INFLIGHT --gather waited--> AVAILABLE --release--> NOT_AVAILABLE
+
+- NOT_AVAILABLE: `param.data` is an empty tensor of shape [0]; only this rank's partition
+  (`ds_tensor`, 1-D, `partition_numel()` elements) exists.
+- INFLIGHT: an all-gather into a temporary buffer is outstanding; `param.data` is still empty.
+- AVAILABLE: `param.data` holds the full tensor of shape `ds_shape`.
+
+`set_status` is the only way to move between states and checks the transition is legal.
+Partition math (per parameter, padded on its own as DeepSpeed does, reference §5.1): with
+`W` ranks, `partition_numel = ceil(numel / W)`; rank r holds the flattened elements
+`[r * partition_numel, (r + 1) * partition_numel)`; the tail past `numel` (on the last ranks only)
+is padding, kept at zero here.
+
+[Note: ds_* attributes]
+User code, Hugging Face and DeepSpeed's own tools read `ds_id, ds_shape, ds_numel, ds_tensor,
+ds_status, ds_persist, ...` directly off the parameter. They are derived from one
+`ZeroParamState` object (`param.zs_state`) and written by `_write_ds_attributes` only. Methods
+DeepSpeed binds as closures (`partition_numel()`, `all_gather()`, `partition()`, ...) are methods
+of the `ZeroParameter` class the parameter is switched to; nothing is bound onto instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ZeroParamState",
+    "ZeroParamStatus",
+    "ZeroParamType",
+    "ZeroParameter",
+    "attach_state",
+    "is_zero_param",
+    "partition_numel",
+    "rank_span",
+    "set_partition",
+    "set_persist",
+    "set_status",
+    "zero_state",
+]
+
+
+class ZeroParamType(enum.Enum):
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_LEGAL_TRANSITIONS: dict[ZeroParamStatus, frozenset[ZeroParamStatus]] = {
+    ZeroParamStatus.NOT_AVAILABLE: frozenset({ZeroParamStatus.INFLIGHT}),
+    ZeroParamStatus.INFLIGHT: frozenset({ZeroParamStatus.AVAILABLE}),
+    ZeroParamStatus.AVAILABLE: frozenset({ZeroParamStatus.NOT_AVAILABLE}),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A parameter was asked to move between two states that are not adjacent."""
+
+
+# --- partition arithmetic (pure) -----------------------------------------------------------------
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements each rank holds of a parameter of `numel` elements: ceil(numel / W)."""
+    return -(-numel // world_size)
+
+
+def rank_span(numel: int, world_size: int, dp_rank: int) -> tuple[int, int]:
+    """(start, real_numel): where rank `dp_rank`'s partition starts in the flattened parameter and
+    how many of its `partition_numel` elements are real (the rest is padding)."""
+    size = partition_numel(numel, world_size)
+    start = dp_rank * size
+    return start, max(0, min(numel, start + size) - start)
+
+
+# --- the typed state -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class ZeroParamState:
+    ds_id: int
+    shape: torch.Size
+    numel: int
+    world_size: int
+    dp_rank: int
+    group: Any
+    partition: torch.Tensor              # this rank's 1-D partition (DeepSpeed's ds_tensor)
+    name: str = ""
+    persist: bool = False
+    status: ZeroParamStatus = ZeroParamStatus.AVAILABLE
+    active_sub_modules: set[int] = dataclasses.field(default_factory=set)
+    external_to: set[int] = dataclasses.field(default_factory=set)   # module ids borrowing it
+
+    @property
+    def partition_numel(self) -> int:
+        return partition_numel(self.numel, self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.partition_numel * self.world_size
+
+    @property
+    def real_partition_numel(self) -> int:
+        return rank_span(self.numel, self.world_size, self.dp_rank)[1]
+
+    def describe(self) -> str:
+        return f"'{self.name or '?'}' (ds_id={self.ds_id}, shape={tuple(self.shape)})"
+
+
+class ZeroParameter(torch.nn.Parameter):
+    """The class a parameter takes once it is partitioned: DeepSpeed's per-parameter methods."""
+
+    zs_state: ZeroParamState
+
+    def partition_numel(self) -> int:
+        return self.zs_state.partition_numel
+
+    def aligned_size(self) -> int:
+        return self.zs_state.padded_numel
+
+    def padding_size(self) -> int:
+        return self.zs_state.padded_numel - self.zs_state.numel
+
+    def ds_summary(self) -> dict[str, Any]:
+        state = self.zs_state
+        return {"id": state.ds_id, "status": state.status.name, "numel": state.numel,
+                "ds_numel": state.numel, "shape": tuple(state.shape), "ds_shape": tuple(state.shape),
+                "requires_grad": self.requires_grad, "grad_shape": None if self.grad is None else
+                tuple(self.grad.shape), "persist": state.persist,
+                "active_sub_modules": sorted(state.active_sub_modules)}
+
+    def all_gather(self, param_list: list[torch.nn.Parameter] | None = None, async_op: bool = False) -> Any:
+        from zerospeed.runtime.zero.partition_parameters import gather_params
+
+        handle = gather_params(param_list or [self])
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def partition(self, param_list: list[torch.nn.Parameter] | None = None, has_been_updated: bool = False,
+                  free_data: bool = True) -> None:
+        from zerospeed.runtime.zero.partition_parameters import release_params
+
+        release_params(param_list or [self], has_been_updated=has_been_updated)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled / deep-copied as a plain Parameter
+        return torch.nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
+
+
+def is_zero_param(value: Any) -> bool:
+    return isinstance(value, ZeroParameter)
+
+
+def zero_state(param: torch.nn.Parameter) -> ZeroParamState:
+    if not isinstance(param, ZeroParameter):
+        raise TypeError("not a ZeRO-3 parameter (it has no ds_id): it was never partitioned")
+    return param.zs_state
+
+
+def attach_state(param: torch.nn.Parameter, state: ZeroParamState) -> ZeroParameter:
+    """Make `param` a ZeRO-3 parameter carrying `state` (its class and ds_* attributes)."""
+    param.__class__ = ZeroParameter
+    zparam: ZeroParameter = param  # type: ignore[assignment]
+    zparam.zs_state = state
+    _write_ds_attributes(zparam)
+    return zparam
+
+
+def set_status(param: ZeroParameter, status: ZeroParamStatus) -> None:
+    """The one place a parameter's state changes; illegal transitions raise."""
+    state = param.zs_state
+    if status not in _LEGAL_TRANSITIONS[state.status]:
+        raise IllegalTransitionError(f"parameter {state.describe()}: illegal transition "
+                                     f"{state.status.name} -> {status.name}")
+    state.status = status
+    _write_ds_attributes(param)
+
+
+def set_persist(param: ZeroParameter, persist: bool) -> None:
+    param.zs_state.persist = persist
+    _write_ds_attributes(param)
+
+
+def set_partition(param: ZeroParameter, partition: torch.Tensor) -> None:
+    """Point the parameter at a new partition tensor (a view into a flat buffer, another dtype)."""
+    state = param.zs_state
+    if partition.shape != (state.partition_numel,):
+        raise ValueError(f"partition of {state.describe()} must have {state.partition_numel} elements, "
+                         f"got {tuple(partition.shape)}")
+    state.partition = partition
+    _write_ds_attributes(param)
+
+
+def _write_ds_attributes(param: ZeroParameter) -> None:
+    """[Note: ds_* attributes] — the only writer of the DeepSpeed-visible attributes."""
+    state = param.zs_state
+    param.ds_id = state.ds_id
+    param.ds_shape = state.shape
+    param.ds_numel = state.numel
+    param.ds_tensor = state.partition
+    param.ds_status = state.status
+    param.ds_persist = state.persist
+    param.ds_param_type = ZeroParamType.PARTITIONED
+    param.ds_numel_aligned = state.padded_numel
+    param.ds_active_sub_modules = state.active_sub_modules
+    param.ds_process_group = state.group
+    param.ds_zero_partition_rank = state.dp_rank
+    param.ds_zero_partition_world_size = state.world_size
+    param.ds_secondary_tensor = None
+    state.partition.ds_numel = state.partition_numel  # type: ignore[attr-defined]
+    state.partition.status = None  # type: ignore[attr-defined]
+    state.partition.final_location = None  # type: ignore[attr-defined]

@@ -1,0 +1,295 @@
+"""Module hooks that drive the coordinator (DeepSpeed's `DeepSpeedZeRoOffload`, reference §5.2).
+
+[Note: hooks and autograd]
+Every module (z3-leaf modules as a whole, their children untouched) gets four hooks:
+- forward pre-hook: fetch the module's parameters (its own and its external ones); the root's
+  pre-hook first calls `coordinator.reset_step()`;
+- forward post-hook: release them; and, when grad is on, route the outputs through `_PreBackward`,
+  an identity autograd function whose backward fetches the parameters again before the module's
+  own backward runs;
+- the pre-hook also routes the inputs that require grad through `_PostBackward`, whose backward
+  counts them down and releases the parameters when the module's backward is done. A module
+  whose inputs need no grad (an embedding) is released at the end of backward, by `release_all`.
+
+[Note: reads of a partitioned parameter]
+`module._parameters` is replaced by `_ZeroParamDict`. Reading a parameter that is not gathered
+while some module's forward is running gathers it and registers it as an external parameter of
+the running module, so it is fetched with that module from then on (a tied LM head reading the
+embedding). Outside any forward the read returns the partitioned parameter (`shape == [0]`); a
+gradient that arrives for it with the wrong shape raises an error naming the module and parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, is_zero_param, set_persist
+from zerospeed.runtime.zero.partition_parameters import (
+    convert_to_zero_param,
+    external_parameters,
+    gather_params,
+    register_external_parameter,
+    release_params,
+)
+from zerospeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+__all__ = ["DeepSpeedZeRoOffload", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "z3_leaf_module"]
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[Any]) -> list[torch.nn.Module]:
+    """Mark modules of these classes (or class names) as leaves: fetched with all their descendants'
+    parameters at once, their children not hooked (MoE experts run in data-dependent order)."""
+    classes = list(leaf_module_classes)
+    marked = []
+    for module in model.modules():
+        if any(type(module) is c or type(module).__name__ == c for c in classes):
+            module._z3_leaf = True
+            marked.append(module)
+    return marked
+
+
+def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[Any]) -> list[torch.nn.Module]:
+    classes = list(leaf_module_classes)
+    unmarked = []
+    for module in model.modules():
+        if getattr(module, "_z3_leaf", False) and any(type(module) is c or type(module).__name__ == c
+                                                      for c in classes):
+            module._z3_leaf = False
+            unmarked.append(module)
+    return unmarked
+
+
+def z3_leaf_module(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "_z3_leaf", False))
+
+
+def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+class _ZeroParamDict(dict):
+    """`module._parameters` at stage 3: see [Note: reads of a partitioned parameter]."""
+
+    offload: "DeepSpeedZeRoOffload"
+
+    def __getitem__(self, name: str) -> Any:
+        param = super().__getitem__(name)
+        if is_zero_param(param) and param.zs_state.status is not ZeroParamStatus.AVAILABLE:
+            self.offload.on_read_outside_module(param)
+        return param
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, offload: "DeepSpeedZeRoOffload", module: torch.nn.Module,
+                *tensors: torch.Tensor) -> Any:
+        ctx.offload, ctx.module = offload, module
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.offload.pre_backward(ctx.module)
+        return (None, None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, offload: "DeepSpeedZeRoOffload", module: torch.nn.Module,
+                *tensors: torch.Tensor) -> Any:
+        ctx.offload, ctx.module = offload, module
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.offload.post_backward(ctx.module)
+        return (None, None, *grads)
+
+
+class DeepSpeedZeRoOffload:
+    """Partitions a module's parameters (if not done by zero.Init) and hooks it to the coordinator."""
+
+    def __init__(self, module: torch.nn.Module, zero_config: Any, dp_group: Any,
+                 param_names: dict[torch.nn.Parameter, str] | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
+        self.module = module
+        self.dp_group = dp_group
+        names = param_names or {}
+        self._convert(module, names, param_dtype)
+        self.params: list[ZeroParameter] = list({id(p): p for p in module.parameters()}.values())  # type: ignore[misc]
+        self._mark_persistent(zero_config.param_persistence_threshold, zero_config.model_persistence_threshold)
+        self.coordinator = PartitionedParameterCoordinator(
+            prefetch_bucket_size=1 if zero_config.allgather_sequential else zero_config.prefetch_bucket_size,
+            max_live_parameters=zero_config.max_live_parameters,
+            max_reuse_distance=zero_config.max_reuse_distance, all_params=self.params)
+        self._module_ids: dict[int, int] = {}
+        self._fwd_stack: list[torch.nn.Module] = []
+        self._grads_remaining: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self._install_hooks(module)
+
+    # --- setup --------------------------------------------------------------------------------
+    def _convert(self, module: torch.nn.Module, names: dict[torch.nn.Parameter, str],
+                 param_dtype: torch.dtype | None) -> None:
+        for name, param in module.named_parameters(remove_duplicate=True):
+            if not is_zero_param(param):
+                if param_dtype is not None and param.is_floating_point():
+                    param.data = param.data.to(param_dtype)
+                # The engine broadcast the unpartitioned params from rank 0 already.
+                convert_to_zero_param(param, self.dp_group, name=names.get(param, name), broadcast=False)
+            elif not param.zs_state.name or "." not in param.zs_state.name:
+                param.zs_state.name = names.get(param, name)
+
+    def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
+        total = 0
+        newly = []
+        for param in sorted(self.params, key=lambda p: p.zs_state.ds_id):
+            state = param.zs_state
+            persist = state.numel <= threshold and total + state.numel <= model_threshold
+            if persist:
+                total += state.numel
+                if not state.persist:
+                    newly.append(param)
+            set_persist(param, persist)
+        gather_params(newly).wait()
+        # Persisted at Init but not under this config: drop the full data.
+        release_params([p for p in self.params if not p.zs_state.persist])
+
+    def _install_hooks(self, root: torch.nn.Module) -> None:
+        counter = 0
+        pending = [root]
+        while pending:  # pre-order; z3 leaves are not recursed into
+            module = pending.pop(0)
+            self._module_ids[id(module)] = counter
+            counter += 1
+            module.__dict__["ds_id"] = self._module_ids[id(module)]
+            if not isinstance(module._parameters, _ZeroParamDict):
+                replaced = _ZeroParamDict(module._parameters)
+                replaced.offload = self
+                module._parameters = replaced
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+            if not z3_leaf_module(module):
+                pending = list(module.children()) + pending
+        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+
+    def _params_of(self, module: torch.nn.Module) -> tuple[ZeroParameter, ...]:
+        own = module.parameters(recurse=z3_leaf_module(module))
+        unique = {id(p): p for p in list(own) + external_parameters(module) if is_zero_param(p)}
+        return tuple(unique.values())  # type: ignore[arg-type]
+
+    # --- hooks --------------------------------------------------------------------------------
+    def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.coordinator.reset_step()
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        self._fwd_stack.append(module)
+        params = self._params_of(module)
+        if not params:
+            return None
+        self.coordinator.fetch_sub_module(self._module_ids[id(module)], params, forward=True)
+        if not torch.is_grad_enabled():
+            return None
+        return self._wrap_inputs(module, args, kwargs)
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        self._fwd_stack.pop()
+        params = self._params_of(module)
+        if not params:
+            return None
+        self.coordinator.release_sub_module(self._module_ids[id(module)], params)
+        if not torch.is_grad_enabled():
+            return None
+        return _map_tensors(output, lambda ts: _PreBackward.apply(self, module, *ts))
+
+    def _wrap_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        grad_tensors = [t for t in _tensors(args) + _tensors(kwargs) if t.requires_grad]
+        self._grads_remaining[id(module)] = len(grad_tensors)
+        if not grad_tensors:
+            return None
+        wrap = _PostBackwardWrapper(self, module)
+        return _map_tensors(args, wrap), _map_tensors(kwargs, wrap)
+
+    def pre_backward(self, module: torch.nn.Module) -> None:
+        self.coordinator.fetch_sub_module(self._module_ids[id(module)], self._params_of(module), forward=False)
+
+    def post_backward(self, module: torch.nn.Module) -> None:
+        remaining = self._grads_remaining.get(id(module), 0) - 1
+        self._grads_remaining[id(module)] = remaining
+        if remaining == 0:
+            self.coordinator.release_sub_module(self._module_ids[id(module)], self._params_of(module))
+
+    def on_read_outside_module(self, param: ZeroParameter) -> None:
+        if not self._fwd_stack:
+            return
+        borrower = self._fwd_stack[-1]
+        register_external_parameter(borrower, param)
+        self.coordinator.fetch_now(param)
+        param.zs_state.active_sub_modules.add(self._module_ids[id(borrower)])
+
+    def partition_all_parameters(self) -> None:
+        self._fwd_stack.clear()
+        self._grads_remaining.clear()
+        self.coordinator.release_all()
+
+    def refresh_persistent_parameters(self) -> None:
+        """After a step the partitions changed: re-gather the parameters kept whole."""
+        from zerospeed.runtime.zero.partition_parameters import _drop_data
+
+        persistent = [p for p in self.params if p.zs_state.persist]
+        for param in persistent:
+            if param.zs_state.status is ZeroParamStatus.AVAILABLE:
+                _drop_data(param)
+        gather_params(persistent).wait()
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class _PostBackwardWrapper:
+    """Routes the tensors that require grad of one call through one `_PostBackward` each."""
+
+    def __init__(self, offload: DeepSpeedZeRoOffload, module: torch.nn.Module) -> None:
+        self.offload, self.module = offload, module
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(_PostBackward.apply(self.offload, self.module, t)[0] if t.requires_grad else t
+                     for t in tensors)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    """Apply `fn` to the floating tensors of `value` (top-level tensor / tuple / list / dict)."""
+    if torch.is_tensor(value):
+        return fn((value,))[0] if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        items = list(value)
+        index = [i for i, v in enumerate(items) if torch.is_tensor(v) and v.is_floating_point()]
+        if not index:
+            return value
+        mapped = fn(tuple(items[i] for i in index))
+        for i, new in zip(index, mapped):
+            items[i] = new
+        return type(value)(items)
+    if isinstance(value, dict):
+        keys = [k for k, v in value.items() if torch.is_tensor(v) and v.is_floating_point()]
+        if keys:
+            mapped = fn(tuple(value[k] for k in keys))
+            for key, new in zip(keys, mapped):
+                value[key] = new
+        return value
+    return value

@@ -1,0 +1,201 @@
+"""The PartitionedParameterCoordinator: which parameters are gathered when (reference §5.3).
+
+[Note: trace]
+Trace mode starts INVALID. The first `reset_step` (start of a forward) switches to RECORD: every
+`fetch_sub_module` call of that micro-step — forward and backward — is appended to the trace. The
+next `reset_step` turns the recording into the trace and switches to COMPLETE. With a COMPLETE
+trace each fetch checks the module against the trace; a different module (the model's order
+changed under data-dependent control flow) invalidates the trace — one warning, in-flight gathers
+are completed, fetching is on demand — and the next step records again.
+
+Invariants
+- `n_available_numel` counts the elements of non-persistent parameters that are INFLIGHT or
+  AVAILABLE. Prefetch never takes it past `max_live_parameters`, and a released parameter is kept
+  for reuse only while it stays within that bound, so at any moment it is at most
+  `max_live_parameters` plus the module being fetched.
+- A parameter is released only when no module that is running (forward or backward) uses it.
+- Persistent parameters (`ds_persist`) are never released here; they are gathered once and
+  refreshed after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus
+from zerospeed.runtime.zero.partition_parameters import MultiGatherHandle, gather_params, release_params
+from zerospeed.utils.logging import logger
+
+__all__ = ["PartitionedParameterCoordinator", "ZeRoTraceMode"]
+
+
+class ZeRoTraceMode(enum.Enum):
+    RECORD = 1
+    COMPLETE = 2
+    INVALID = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEntry:
+    module_id: int
+    forward: bool
+    params: tuple[ZeroParameter, ...]
+
+
+class PartitionedParameterCoordinator:
+    def __init__(self, prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int,
+                 all_params: list[ZeroParameter]) -> None:
+        self.prefetch_bucket_size = int(prefetch_bucket_size)
+        self.max_live_parameters = int(max_live_parameters)
+        self.max_reuse_distance = int(max_reuse_distance)
+        self.all_params = all_params
+        self.trace_mode = ZeRoTraceMode.INVALID
+        self.trace: list[TraceEntry] = []
+        self._recording: list[TraceEntry] = []
+        self.step_id = 0
+        self._inflight: dict[int, MultiGatherHandle] = {}
+        self.n_available_numel = 0
+        self.peak_available_numel = 0
+        self.num_invalidations = 0
+        self._warned = False
+
+    # --- trace --------------------------------------------------------------------------------
+    def is_complete_trace(self) -> bool:
+        return self.trace_mode is ZeRoTraceMode.COMPLETE
+
+    def reset_step(self) -> None:
+        """Start of a micro-step (root forward): finish a recording, or start one."""
+        self._wait_all()
+        if self.trace_mode is ZeRoTraceMode.RECORD:
+            self.trace, self._recording = self._recording, []
+            self.trace_mode = ZeRoTraceMode.COMPLETE
+        elif self.trace_mode is ZeRoTraceMode.INVALID:
+            self._recording = []
+            self.trace_mode = ZeRoTraceMode.RECORD
+        self.step_id = 0
+
+    def _check_trace(self, entry: TraceEntry) -> None:
+        if self.trace_mode is ZeRoTraceMode.RECORD:
+            self._recording.append(entry)
+        elif self.trace_mode is ZeRoTraceMode.COMPLETE:
+            expected = self.trace[self.step_id] if self.step_id < len(self.trace) else None
+            if expected is None or (expected.module_id, expected.forward) != (entry.module_id, entry.forward):
+                self.invalidate_trace()
+
+    def invalidate_trace(self) -> None:
+        self._wait_all()
+        self.trace_mode = ZeRoTraceMode.INVALID
+        self.trace = []
+        self.num_invalidations += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning("ZeRO-3: the order of module calls changed since the recorded trace; "
+                           "prefetching is off until a new trace is recorded (this warning is shown once)")
+
+    # --- fetch --------------------------------------------------------------------------------
+    def fetch_sub_module(self, module_id: int, params: tuple[ZeroParameter, ...], forward: bool) -> None:
+        self._check_trace(TraceEntry(module_id, forward, params))
+        self._start_gather([p for p in params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE])
+        for param in params:
+            handle = self._inflight.get(param.zs_state.ds_id)
+            if handle is not None:
+                self._complete(handle)
+        for param in params:
+            param.zs_state.active_sub_modules.add(module_id)
+        if self.is_complete_trace():
+            self._prefetch()
+        self.step_id += 1
+
+    def fetch_now(self, param: ZeroParameter) -> None:
+        """A synchronous fetch of one parameter (one read during forward outside its module)."""
+        handle = self._inflight.get(param.zs_state.ds_id)
+        if handle is None:
+            self._start_gather([param])
+            handle = self._inflight[param.zs_state.ds_id]
+        self._complete(handle)
+
+    def _start_gather(self, params: list[ZeroParameter], async_op: bool = False) -> None:
+        if not params:
+            return
+        handle = gather_params(params, async_op=async_op)
+        for param in handle.params:
+            self._inflight[param.zs_state.ds_id] = handle
+            if not param.zs_state.persist:
+                self.n_available_numel += param.zs_state.numel
+        self.peak_available_numel = max(self.peak_available_numel, self.n_available_numel)
+
+    def _complete(self, handle: MultiGatherHandle) -> None:
+        handle.wait()
+        for param in handle.params:
+            self._inflight.pop(param.zs_state.ds_id, None)
+
+    def _wait_all(self) -> None:
+        for handle in list({id(h): h for h in self._inflight.values()}.values()):
+            self._complete(handle)
+
+    def _prefetch(self) -> None:
+        budget = min(self.max_live_parameters - self.n_available_numel, self.prefetch_bucket_size)
+        chosen: dict[int, ZeroParameter] = {}
+        chosen_numel = 0
+        for entry in self.trace[self.step_id + 1:]:
+            for param in entry.params:
+                state = param.zs_state
+                if state.status is not ZeroParamStatus.NOT_AVAILABLE or state.ds_id in chosen:
+                    continue
+                if chosen_numel + state.numel > budget:
+                    self._start_gather(list(chosen.values()), async_op=True)
+                    return
+                chosen[state.ds_id] = param
+                chosen_numel += state.numel
+        self._start_gather(list(chosen.values()), async_op=True)
+
+    # --- release ------------------------------------------------------------------------------
+    def release_sub_module(self, module_id: int, params: tuple[ZeroParameter, ...]) -> None:
+        for param in params:
+            param.zs_state.active_sub_modules.discard(module_id)
+        candidates = [p for p in params if not p.zs_state.persist and not p.zs_state.active_sub_modules
+                      and p.zs_state.status is ZeroParamStatus.AVAILABLE]
+        if self.is_complete_trace():
+            reused = self._reused_soon()
+            candidates = [p for p in candidates if p.zs_state.ds_id not in reused
+                          or self.n_available_numel > self.max_live_parameters]
+        self._release(candidates)
+
+    def _reused_soon(self) -> set[int]:
+        """ds_ids used by the trace within `max_reuse_distance` elements from the current step."""
+        reused: set[int] = set()
+        traversed = 0
+        for entry in self.trace[self.step_id:]:
+            if traversed >= self.max_reuse_distance:
+                break
+            for param in entry.params:
+                reused.add(param.zs_state.ds_id)
+                traversed += param.zs_state.numel
+        return reused
+
+    def _release(self, params: list[ZeroParameter]) -> None:
+        release_params(params)
+        for param in params:
+            self.n_available_numel -= param.zs_state.numel
+
+    def release_all(self) -> None:
+        """End of backward / start of step: every non-persistent parameter back to NOT_AVAILABLE."""
+        self._wait_all()
+        for param in self.all_params:
+            param.zs_state.active_sub_modules.clear()
+        self._release([p for p in self.all_params if not p.zs_state.persist
+                       and p.zs_state.status is ZeroParamStatus.AVAILABLE])
+        assert self.n_available_numel == 0, f"coordinator lost count: {self.n_available_numel} left"
+
+    def params_summary(self) -> dict[str, Any]:
+        return {"trace_mode": self.trace_mode.name, "trace_length": len(self.trace),
+                "n_available_numel": self.n_available_numel, "peak_available_numel": self.peak_available_numel,
+                "num_invalidations": self.num_invalidations, "inflight": len(self._inflight)}
+
+
+def module_params(module: torch.nn.Module, leaf: bool) -> list[torch.nn.Parameter]:
+    return list(module.parameters(recurse=leaf))

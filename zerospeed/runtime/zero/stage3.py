@@ -1,0 +1,297 @@
+"""`DeepSpeedZeroOptimizer_Stage3`: partitioned gradients and the fp32 step (reference §5.4).
+
+Tensors per rank, for each optimizer sub-group k (params in group order, cut when the sum of their
+`partition_numel()` reaches `sub_group_size`):
+- `lp_flat[k]`: the sub-group's partitions end to end; every parameter's `ds_tensor` is a view
+  into it. In fp32 it *is* the master: the base optimizer steps it in place (16 Psi / N bytes).
+- `fp32_flat[k]`: the fp32 master (a separate copy only for fp16 / bf16), what the base optimizer's
+  param groups hold — one "param" per sub-group (DeepSpeed's `fp32_partitioned_groups_flat`).
+- `grad_flat[k]`: this rank's gradient partitions, in `grad_accum_dtype`, accumulated across
+  micro-steps; padding stays zero.
+
+[Note: gradient path]
+A post-accumulate-grad hook on each trainable parameter hands its full gradient to the bucket and
+drops `param.grad`. A bucket of `reduce_bucket_size` elements is one `reduce_scatter_tensor`: its
+input is `W` rows, row r the concatenation of each parameter's r-th chunk (zero-padded), so rank r
+receives exactly its partitions. With `overlap_comm` the reduce-scatter is asynchronous, at most
+two in flight, each only ever `wait()`ed (gloo). Results are added into `grad_flat` once waited.
+The step: overflow (fp16), global norm over the partitions (squares summed over ranks), unscale
+and clip, base optimizer, copy to `lp_flat`, re-gather the persistent parameters. Nothing else
+is gathered: parameters stay partitioned until the next forward fetches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.zero.config import ZeroStageEnum
+from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span, set_partition
+from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from zerospeed.version import __version__
+
+__all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
+
+_MAX_IN_FLIGHT = 2
+
+
+def plan_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[list[int]]:
+    """Indices cut into runs whose partition numel first reaches `sub_group_size` (pure)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for index, numel in enumerate(partition_numels):
+        current.append(index)
+        total += numel
+        if total >= sub_group_size:
+            groups.append(current)
+            current, total = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Where a trainable parameter's partition lives: sub-group and offset in its flats."""
+
+    sub_group: int
+    offset: int
+
+
+@dataclasses.dataclass
+class _InFlight:
+    work: Any
+    rows: torch.Tensor
+    output: torch.Tensor
+    params: list[ZeroParameter]
+
+
+class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):  # noqa: N801 - DeepSpeed's name
+    def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
+                 precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
+                 param_names: dict[torch.nn.Parameter, str] | None = None) -> None:
+        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self.precision = precision
+        self.zero_config = zero_config
+        self.dp_group = dp_group
+        self.world_size = comm.get_world_size(dp_group)
+        self.dp_rank = comm.get_rank(dp_group)
+        self.reduce_bucket_size = max(1, int(zero_config.reduce_bucket_size))
+        self.overlap_comm = bool(zero_config.overlap_comm)
+        self.parameter_offload = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names,
+                                                      precision.param_dtype)
+        self._init_sub_groups()
+        self._init_gradient_hooks()
+
+    # --- setup --------------------------------------------------------------------------------
+    def _init_sub_groups(self) -> None:
+        self.fp16_groups: list[list[ZeroParameter]] = []
+        self.lp_flat: list[torch.Tensor] = []
+        self.fp32_flat: list[torch.nn.Parameter] = []
+        self.grad_flat: list[torch.Tensor] = []
+        self._slots: dict[int, _Slot] = {}
+        for group in self.optimizer.param_groups:
+            trainable = [p for p in group["params"] if p.requires_grad]
+            cuts = plan_sub_groups([p.partition_numel() for p in trainable], int(self.zero_config.sub_group_size))
+            group["params"] = [self._build_sub_group([trainable[i] for i in cut]) for cut in cuts]
+
+    def _build_sub_group(self, params: list[ZeroParameter]) -> torch.nn.Parameter:
+        index = len(self.fp16_groups)
+        dtype = self.precision.param_dtype
+        lp = torch.cat([p.ds_tensor.to(dtype) for p in params])
+        offset = 0
+        for param in params:
+            size = param.partition_numel()
+            set_partition(param, lp.narrow(0, offset, size))
+            self._slots[id(param)] = _Slot(index, offset)
+            offset += size
+        master = torch.nn.Parameter(lp if dtype == torch.float32 else lp.float())
+        self.fp16_groups.append(params)
+        self.lp_flat.append(lp)
+        self.fp32_flat.append(master)
+        self.grad_flat.append(torch.zeros_like(lp, dtype=self.precision.grad_accum_dtype))
+        return master
+
+    def _init_gradient_hooks(self) -> None:
+        self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
+        self._bucket_numel = 0
+        self._in_flight: list[_InFlight] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for group in self.fp16_groups for p in group]
+
+    # --- gradients ----------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        state = param.zs_state  # type: ignore[attr-defined]
+        if grad is None:
+            return
+        if grad.numel() != state.numel:
+            raise RuntimeError(f"ZeRO-3: gradient of parameter {state.describe()} has shape {tuple(grad.shape)}: "
+                               "the parameter was used while partitioned (outside the forward of a module "
+                               "that owns it). Register it with zero.register_external_parameter(module, "
+                               "param) or use it inside zero.GatheredParameters.")
+        self._bucket.append((param, grad))  # type: ignore[arg-type]
+        self._bucket_numel += state.padded_numel
+        if self._bucket_numel >= self.reduce_bucket_size:
+            self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        if not self._bucket:
+            return
+        comm_dtype = self.precision.communication_dtype
+        width = sum(p.partition_numel() for p, _ in self._bucket)
+        rows = torch.zeros(self.world_size, width, dtype=comm_dtype, device=self._bucket[0][1].device)
+        offset = 0
+        for param, grad in self._bucket:
+            flat = grad.reshape(-1)
+            for rank in range(self.world_size):
+                start, real = rank_span(flat.numel(), self.world_size, rank)
+                if real:
+                    rows[rank, offset:offset + real].copy_(flat[start:start + real])
+            offset += param.partition_numel()
+        before, _ = self._averaging()
+        if before != 1.0:
+            rows.mul_(before)
+        output = torch.empty(width, dtype=comm_dtype, device=rows.device)
+        work = comm.reduce_scatter_tensor(output, rows.view(-1), group=self.dp_group, async_op=self.overlap_comm)
+        self._in_flight.append(_InFlight(work, rows, output, [p for p, _ in self._bucket]))
+        self._bucket, self._bucket_numel = [], 0
+        while len(self._in_flight) > (_MAX_IN_FLIGHT - 1 if self.overlap_comm else 0):
+            self._finish(self._in_flight.pop(0))
+
+    def _averaging(self) -> tuple[float, float]:
+        """(before, after) multipliers around the sum (DeepSpeed's averaging rules, §3.9)."""
+        settings, world_size = self.precision, self.world_size
+        if not settings.gradient_average:
+            return 1.0, 1.0
+        if settings.prescale_gradients:
+            return 1.0 / world_size, 1.0
+        factor = settings.gradient_predivide_factor
+        return 1.0 / factor, (factor / world_size if factor != world_size else 1.0)
+
+    def _finish(self, flight: _InFlight) -> None:
+        if flight.work is not None:
+            flight.work.wait()
+        _, after = self._averaging()
+        if after != 1.0:
+            flight.output.mul_(after)
+        offset = 0
+        for param in flight.params:
+            size = param.partition_numel()
+            slot = self._slots[id(param)]
+            dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
+            dest.add_(flight.output.narrow(0, offset, size).to(dest.dtype))
+            offset += size
+
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        self._flush_bucket()
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+        self.parameter_offload.partition_all_parameters()
+
+    # --- the step -----------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> None:
+        self.backward_epilogue(True)
+        grads = self.grad_flat
+        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group)
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self.zero_grad()
+            return
+        scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True)
+        self._global_grad_norm = scaled_norm / self.loss_scale
+        divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
+        for master, grad in zip(self.fp32_flat, grads):
+            master.grad = grad if grad.dtype == master.dtype else grad.float()
+        scale_([m.grad for m in self.fp32_flat], 1.0 / divisor)
+        self.optimizer.step()
+        self._publish_masters()
+
+    @torch.no_grad()
+    def _publish_masters(self) -> None:
+        for master, lp in zip(self.fp32_flat, self.lp_flat):
+            master.grad = None
+            if master.data_ptr() != lp.data_ptr():
+                lp.copy_(master)
+        self.parameter_offload.refresh_persistent_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for grad in self.grad_flat:
+            grad.zero_()
+        for master in self.fp32_flat:
+            master.grad = None
+        for group in self.fp16_groups:
+            for param in group:
+                param.grad = None
+
+    # --- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """DeepSpeed's stage-3 keys (§5.4), plain types; `fp32_flat_groups` keep their padding."""
+        return {
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "dynamic_loss_scale": self.loss_scaler.dynamic,
+            "overflow": self.overflow,
+            "partition_count": self.world_size,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_flat_groups": [m.detach().float().clone() for m in self.fp32_flat],
+            "clip_grad": self.clip_grad,
+            "ds_version": __version__,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        if int(state_dict.get("partition_count", self.world_size)) != self.world_size:
+            raise ValueError(f"checkpoint was saved with {state_dict['partition_count']} partitions, "
+                             f"this run has {self.world_size}: re-partition it with the checkpoint tools")
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.overflow = bool(state_dict.get("overflow", False))
+        if self.zero_config.load_from_fp32_weights:
+            with torch.no_grad():
+                for master, saved in zip(self.fp32_flat, state_dict["fp32_flat_groups"]):
+                    master.copy_(saved)
+            self._publish_masters()
+        else:
+            self.refresh_fp32_params()
+
+    def refresh_fp32_params(self) -> None:
+        """Re-derive the fp32 masters from the (just loaded) low-precision partitions."""
+        with torch.no_grad():
+            for master, lp in zip(self.fp32_flat, self.lp_flat):
+                if master.data_ptr() != lp.data_ptr():
+                    master.copy_(lp)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        separate_master = self.precision.low_precision
+        breakdown = {
+            "lp_params": tensor_bytes(self.lp_flat),
+            "grads": tensor_bytes(self.grad_flat),
+            "master_params": tensor_bytes(self.fp32_flat) if separate_master else 0,
+            "optimizer_states": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+            "persistent_params": tensor_bytes([p.data for p in self.parameter_offload.params
+                                               if p.zs_state.persist]),
+        }
+        breakdown["total"] = sum(breakdown.values())
+        return breakdown
+
+    # --- DeepSpeed's names for the same things ------------------------------------------------------
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.nn.Parameter]:
+        return self.fp32_flat
+
+    @property
+    def fp16_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        return self.lp_flat
+
+    def partition_all_parameters(self) -> None:
+        self.parameter_offload.partition_all_parameters()
