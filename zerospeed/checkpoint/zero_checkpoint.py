@@ -37,6 +37,7 @@ class SavedLayout:
 
 
 def discover(tag_dir: str, bf16_first: bool) -> SavedLayout:
+    verify_files(tag_dir, checksum=False)   # every listed file present, at its size (checksums: on read)
     model_files = find_model_files(tag_dir)
     if not model_files:
         raise FileNotFoundError(f"no *_model_states.pt file in checkpoint directory {tag_dir}")

@@ -97,6 +97,9 @@ def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
         with open(latest) as handle:
             tag = handle.read().strip()
     tag_dir = os.path.join(checkpoint_dir, tag)
+    moved_aside = os.path.join(checkpoint_dir, f".{tag}.old")  # a save of the same tag was killed mid-rename
+    if not os.path.isdir(tag_dir) and os.path.isdir(moved_aside):
+        tag_dir = moved_aside
     if not os.path.isdir(tag_dir):
         raise FileNotFoundError(f"Directory '{tag_dir}' doesn't exist")
     return tag_dir
