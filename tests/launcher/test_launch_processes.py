@@ -1,62 +1,13 @@
 """The launcher with real processes: env + all_reduce, fail-fast, signals, bad script, teardown abort."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "rank_script.py")
-CLI = os.path.join(os.path.dirname(sys.executable), "zerospeed")
-
-
-def launcher_argv(*args):
-    base = [CLI] if os.path.exists(CLI) else [sys.executable, "-m", "zerospeed.launcher.runner"]
-    return [*base, *args]
-
-
-def env(**extra):
-    return {**os.environ, "OMP_NUM_THREADS": "1", "ZS_ACCELERATOR": "cpu", **extra}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def job_pids(pid_dir, num_ranks):
-    pids = []
-    for rank in range(num_ranks):
-        with open(os.path.join(pid_dir, f"rank{rank}.pids")) as f:
-            pids += [int(p) for p in f.read().split()]
-    return pids
-
-
-def wait_for_pid_files(pid_dir, num_ranks, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(os.path.exists(os.path.join(pid_dir, f"rank{r}.pids")) for r in range(num_ranks)):
-            time.sleep(0.1)  # the file is written in one call; let it land
-            return job_pids(pid_dir, num_ranks)
-        time.sleep(0.1)
-    raise AssertionError("ranks did not start")
-
-
-def alive(pids):
-    living = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                living.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return living
+from launcher_helpers import SCRIPT, alive, env, free_port, job_pids, launcher_argv, wait_for_pid_files
 
 
 def test_two_ranks_see_deepspeeds_env_and_all_reduce(tmp_path):

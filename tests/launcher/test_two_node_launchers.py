@@ -9,7 +9,7 @@ import os
 import subprocess
 import time
 
-from test_launch_processes import SCRIPT, alive, env, free_port, launcher_argv, wait_for_pid_files
+from launcher_helpers import SCRIPT, alive, env, free_port, launcher_argv, wait_for_pid_files
 
 
 def start_nodes(tmp_path, mode):

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from zerospeed.launcher import launch
 from zerospeed.launcher.hostfile import DEFAULT_HOSTFILE, active_resources, encode_world_info, fetch_hostfile
@@ -187,7 +188,10 @@ def _wait_for_nodes(procs: list[subprocess.Popen], stop: threading.Event, receiv
     else:
         codes = [p.returncode for p in procs if p.returncode != 0]
         return codes[0] if codes else 0
-    if store_args is not None:
+    if not stop.is_set():  # a node failed: the others normally stop themselves on its abort
+        _wait_until(lambda: all(p.poll() is not None for p in procs), 3.0)
+    # Node 0's launcher hosts the store; once it has exited the others see the store go.
+    if store_args is not None and procs[0].poll() is None:
         _raise_remote_abort(store_args, "the zerospeed runner stopped the job")
     deadline = time.monotonic() + 30  # the node launchers stop their ranks on the abort
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not stop.is_set():
@@ -200,13 +204,19 @@ def _wait_for_nodes(procs: list[subprocess.Popen], stop: threading.Event, receiv
     return failed_code if failed_code > 0 else 1
 
 
+def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _raise_remote_abort(args: argparse.Namespace, message: str) -> None:
     try:
         from datetime import timedelta
 
         from torch.distributed import TCPStore
 
-        store = TCPStore(args.master_addr, args.master_port, None, False, timedelta(seconds=5))
+        store = TCPStore(args.master_addr, args.master_port, None, False, timedelta(seconds=3))
         if not store.check(["zerospeed/abort"]):
             store.set("zerospeed/abort", message)
     except Exception:  # noqa: BLE001 - node 0 is already gone: the others see that too
