@@ -67,26 +67,61 @@ def _repeat(loader):
 
 
 def check_round_trip(engine, save_dir: str, dataset, config: GPTConfig) -> None:
-    """Save, merge the ZeRO shards into one fp32 state dict, load it into a fresh model, compare."""
+    """Save, resume a fresh engine from the checkpoint (its next losses must equal the original's),
+    merge the ZeRO shards with zero_to_fp32 into safetensors, load them into a plain model, sample."""
     if not hasattr(engine, "save_checkpoint"):
         return
     engine.save_checkpoint(save_dir)
-    deepspeed.comm.barrier()
-    if deepspeed.comm.get_rank() != 0:
+    resumed, _, _, _ = deepspeed.initialize(model=GPT(config), config=engine._config._param_dict)
+    load_path, _ = resumed.load_checkpoint(save_dir)
+    rank, micro = deepspeed.comm.get_rank(), engine.train_micro_batch_size_per_gpu()
+    for step in range(2):
+        first = (step * deepspeed.comm.get_world_size() + rank) * micro
+        inputs, targets = (torch.stack(t) for t in zip(*(dataset[i] for i in range(first, first + micro))))
+        losses = []
+        for runner in (engine, resumed):
+            runner.train()
+            loss = runner(inputs, targets)
+            runner.backward(loss)
+            runner.step()
+            losses.append(loss.item())
+        if losses[0] != losses[1]:
+            raise SystemExit(f"resumed run diverged at step {step}: {losses[0]} vs {losses[1]}")
+    if rank == 0:
+        print(f"resumed from {load_path}: next 2 losses equal the uninterrupted run", flush=True)
+    engine.save_checkpoint(save_dir)   # the state the merged model must reproduce
+    if rank != 0:
         return
-    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
 
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+    from zerospeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    output_dir = os.path.join(save_dir, "fp32")
+    convert_zero_checkpoint_to_fp32_state_dict(save_dir, output_dir, safe_serialization=True)
     model = GPT(config)
-    model.load_state_dict(state_dict)
+    missing, unexpected = model.load_state_dict(load_file(os.path.join(output_dir, "model.safetensors")), strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    if unexpected or set(missing) - tied:
+        raise SystemExit(f"merged weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    _compare_and_sample(engine, model, dataset)
+
+
+def _compare_and_sample(engine, model, dataset) -> None:
+    """The merged model must give the checkpointed engine's loss; then print a greedy sample."""
     inputs, targets = (torch.stack(t) for t in zip(*(dataset[i] for i in range(4))))
+    model.eval()
     with torch.no_grad():
         merged_loss = model(inputs, targets).item()
         engine.eval()
         engine_loss = engine(inputs, targets).float().item()
-    print(f"zero_to_fp32 round trip: engine loss {engine_loss:.5f}, merged-model loss {merged_loss:.5f}")
-    if abs(merged_loss - engine_loss) > 1e-3 * max(1.0, abs(engine_loss)):
-        raise SystemExit("the merged fp32 model does not reproduce the engine's loss")
+        print(f"zero_to_fp32 round trip: engine loss {engine_loss:.5f}, merged-model loss {merged_loss:.5f}")
+        if abs(merged_loss - engine_loss) > 1e-3 * max(1.0, abs(engine_loss)):
+            raise SystemExit("the merged fp32 model does not reproduce the engine's loss")
+        idx = torch.tensor([list(b"def ")])
+        for _ in range(48):
+            next_byte = model(idx[:, -model.config.block_size:])[:, -1].argmax(-1)
+            idx = torch.cat([idx, next_byte.view(1, 1)], dim=1)
+    print("sample:", bytes(idx[0].tolist()).decode("utf-8", errors="replace"), flush=True)
 
 
 if __name__ == "__main__":
