@@ -1,6 +1,5 @@
 """Stage 3 through `zerospeed.initialize` equals stage 0 / single-process PyTorch on the same data."""
 
-import copy
 import os
 import sys
 
@@ -40,7 +39,33 @@ def _config(stage, gas, world_size, clip, zero_extra=None, **extra):
             "zero_optimization": {"stage": stage, **(zero_extra or {})}, **extra}
 
 
-def train(model, config, world_size, gas, batches):
+def _hf_config(kind):
+    from transformers import GPT2Config, LlamaConfig
+
+    if kind == "gpt2":
+        return GPT2Config(vocab_size=64, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * SEQ,
+                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+
+
+def build_model(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        return _gpt(seed)
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    return (GPT2LMHeadModel if kind == "gpt2" else LlamaForCausalLM)(_hf_config(kind))
+
+
+def _forward(engine, chunk, kind):
+    if kind == "gpt":
+        return engine(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+    return engine(input_ids=chunk, labels=chunk).loss  # Hugging Face shifts the labels itself
+
+
+def train(model, config, world_size, gas, batches, kind="gpt"):
     rank = torch.distributed.get_rank()
     engine, *_ = zerospeed.initialize(model=model, config=config)
     micro = GLOBAL_BATCH // (gas * world_size)
@@ -48,9 +73,7 @@ def train(model, config, world_size, gas, batches):
     for tokens in batches:
         for k in range(gas):
             start = (k * world_size + rank) * micro
-            chunk = tokens[start:start + micro]
-            loss = engine(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
-            loss = loss if torch.is_tensor(loss) else loss.loss
+            loss = _forward(engine, tokens[start:start + micro], kind)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -64,16 +87,27 @@ def full_params(engine):
         return {name: p.detach().clone() for name, p in params.items()}
 
 
-def _gpt_parity(world_size, gas, clip):
+def _parity(kind, world_size, gas, clip, zero_init=False, zero_extra=None):
     batches = _batches()
-    engine0, losses0 = train(_gpt(), _config(0, gas, world_size, clip), world_size, gas, batches)
-    engine3, losses3 = train(_gpt(), _config(3, gas, world_size, clip, {"reduce_bucket_size": 3000,
-                                                                       "param_persistence_threshold": 64}),
-                             world_size, gas, batches)
+    zero_extra = {"reduce_bucket_size": 3000, "param_persistence_threshold": 64, **(zero_extra or {})}
+    if zero_init:  # stage 3 builds the model partitioned; stage 0 starts from the gathered weights
+        with zerospeed.zero.Init():
+            model3 = build_model(kind)
+        with zerospeed.zero.GatheredParameters(list(model3.parameters())):
+            initial = {name: p.detach().clone() for name, p in model3.named_parameters()}
+        model0 = build_model(kind, seed=99)
+        model0.load_state_dict(initial, strict=False)
+        assert all(torch.equal(p, initial[n]) for n, p in model0.named_parameters())
+    else:
+        model0, model3 = build_model(kind), build_model(kind)
+    engine0, losses0 = train(model0, _config(0, gas, world_size, clip), world_size, gas, batches, kind)
+    engine3, losses3 = train(model3, _config(3, gas, world_size, clip, zero_extra), world_size, gas, batches,
+                             kind)
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in model3.parameters() if not p.ds_persist)
     return losses0, losses3, full_params(engine0), full_params(engine3), engine3.get_global_grad_norm()
 
 
-def _assert_parity(results, rtol=1e-6):
+def _assert_parity(results, rtol=1e-6, params_rtol=1e-6):
     """Losses within `rtol`; every parameter within `rtol` of the model's largest weight.
 
     The scale is model-wide, not per tensor: with accumulation, stage 3 sums ranks then micro-steps
@@ -88,15 +122,35 @@ def _assert_parity(results, rtol=1e-6):
         for name, expected in params0.items():
             actual = params3[name]
             assert actual.shape == expected.shape, name
-            if name.endswith("attn.qkv.bias"):  # the key third: noise in both runs, checked loosely
+            if name.endswith(("attn.qkv.bias", "attn.c_attn.bias")):  # the key third: noise in both runs, checked loosely
                 third = expected.numel() // 3
                 assert (actual[third:2 * third] - expected[third:2 * third]).abs().max() < 1e-4, name
                 actual, expected = actual[[*range(third), *range(2 * third, 3 * third)]], \
                     expected[[*range(third), *range(2 * third, 3 * third)]]
             error = (actual - expected).abs().max().item() / scale
-            assert error <= rtol, f"{name}: error {error:.3e} (relative to the largest weight) > {rtol:.1e}"
+            assert error <= params_rtol, f"{name}: error {error:.3e} (relative to the largest weight) > {params_rtol:.1e}"
 
 
 @pytest.mark.parametrize("world_size,gas,clip", [(2, 1, 0.0), (2, 4, 0.5), (4, 1, 0.5), (4, 4, 0.0)])
 def test_gpt_stage3_equals_stage0(world_size, gas, clip):
-    _assert_parity(run_on_ranks(_gpt_parity, world_size, world_size, gas, clip))
+    _assert_parity(run_on_ranks(_parity, world_size, "gpt", world_size, gas, clip))
+
+
+@pytest.mark.parametrize("world_size,gas,clip", [(2, 1, 0.5), (2, 4, 0.0)])
+def test_hf_gpt2_stage3_equals_stage0(world_size, gas, clip):
+    pytest.importorskip("transformers")
+    _assert_parity(run_on_ranks(_parity, world_size, "gpt2", world_size, gas, clip))
+
+
+@pytest.mark.parametrize("world_size,gas,clip", [(2, 1, 0.5), (2, 4, 0.0), (4, 1, 0.0)])
+def test_hf_llama_under_zero_init_equals_stage0(world_size, gas, clip):
+    """Parameters within 2e-6: at 4 ranks layer 0's gate_proj reaches 1.2e-6 under AdamW (Adam
+    amplifies the summation-order rounding of its near-zero gradients; with SGD every tensor is
+    within 6e-8), the losses stay within 1e-6."""
+    pytest.importorskip("transformers")
+    _assert_parity(run_on_ranks(_parity, world_size, "llama", world_size, gas, clip, True), params_rtol=2e-6)
+
+
+def test_clipping_is_active_in_the_clipped_cases():
+    results = run_on_ranks(_parity, 2, "gpt", 2, 1, 0.0)
+    assert results[0][4] > 0.5

@@ -289,21 +289,32 @@ class Init:
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 self._patch(cls)
-        self._patched[torch.nn.Module] = torch.nn.Module.__init_subclass__
+        self._patch_init_subclass()
+        return self
+
+    def _patch_init_subclass(self) -> None:
+        """Classes defined inside the context get their __init__ wrapped as well."""
+        original = torch.nn.Module.__dict__.get("__init_subclass__")
+        self._original_init_subclass = original
         init_ctx = self
 
         def init_subclass(cls: type, **kwargs: Any) -> None:
-            init_ctx._patched[torch.nn.Module].__func__(cls, **kwargs)
+            if original is not None:
+                original.__func__(cls, **kwargs)
+            else:
+                super(torch.nn.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
             if "__init__" in cls.__dict__:
                 init_ctx._patch(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
-        torch.nn.Module.__init_subclass__ = self._patched.pop(torch.nn.Module)  # type: ignore[assignment]
+        if self._original_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._original_init_subclass  # type: ignore[assignment]
         for cls, original in self._patched.items():
             cls.__init__ = original  # type: ignore[misc]
         self._patched.clear()
