@@ -222,7 +222,7 @@ def test_one_step_moves_the_2psi_bound(stage, reduce_scatter):
     bucket = 8   # rows of 4 elements: every slab message is 32 bytes, scalars are <= 8
     records, padded, real_slabs = run_on_ranks(_comm_volume, 2, stage, reduce_scatter, bucket)[0]
     grad_op = "reduce_scatter_tensor" if reduce_scatter else "all_reduce"
-    big = [(op, size) for op, size in records if size > 8]          # scalars: the norm (fp32: no overflow check)
+    big = [(op, size) for op, size in records if size > 8]   # scalars: the norm (fp32 has no overflow check)
     grad_calls = [size for op, size in big if op == grad_op]
     gather_calls = [size for op, size in big if op == "all_gather_into_tensor"]
     assert len(grad_calls) == real_slabs                             # one reduction per bucket
@@ -281,8 +281,8 @@ def _round_trip(stage):
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     assert state["zero_stage"] == stage and state["partition_count"] == [dist.get_world_size()] * 2
-    assert sum(m["numel"] for m in state["param_slice_mappings"][0].values()) + state["group_paddings"][0] == \
-        optimizer.groups[0].layout.partition_numel
+    owned = sum(m["numel"] for m in state["param_slice_mappings"][0].values())
+    assert owned + state["group_paddings"][0] == optimizer.groups[0].layout.partition_numel
 
     continued, _ = _train(model, optimizer, gas=2, num_steps=3)
     fresh_model, fresh = _build(stage, reduce_bucket_size=10)
@@ -312,6 +312,18 @@ def _wrong_world_size_state():
 
 def test_loading_a_state_saved_on_another_world_size_is_a_clear_error():
     run_on_ranks(_wrong_world_size_state, 2)
+
+
+def _grad_twice_without_epilogue():
+    model, optimizer = _build(2)
+    (tokens, targets), = _batches(1, 1)[0]
+    model(tokens, targets).backward()
+    with pytest.raises(RuntimeError, match="Gradient computed twice"):
+        model(tokens, targets).backward()
+
+
+def test_stage2_rejects_a_second_backward_before_the_epilogue():
+    run_on_ranks(_grad_twice_without_epilogue, 1)
 
 
 # --- through zerospeed.initialize --------------------------------------------------------------

@@ -33,7 +33,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.zero.partition import GroupLayout, Slab, param_pieces, slab_real_numel
+from zerospeed.runtime.zero.partition import GroupLayout, Slab, SlabPiece, param_pieces, slab_real_numel
 
 __all__ = ["GradientBuckets", "SlabReducer", "averaging_factors", "reduce_flat_gradients"]
 
@@ -158,8 +158,7 @@ class GradientBuckets:
         ready = []
         for piece in self.pieces[group_index][param_index]:
             if self.contiguous_gradients:
-                self._row(group_index, piece.slab_index, piece.dp_rank).narrow(
-                    0, piece.row_offset, piece.numel).copy_(flat.narrow(0, piece.param_start, piece.numel))
+                self._copy_piece(group_index, piece, flat)
             remaining = self._remaining[group_index]
             remaining[piece.slab_index] -= piece.numel
             if remaining[piece.slab_index] == 0:
@@ -189,6 +188,10 @@ class GradientBuckets:
             self._buffers[key] = buffer
         return buffer[dp_rank]
 
+    def _copy_piece(self, group_index: int, piece: SlabPiece, flat_grad: torch.Tensor) -> None:
+        row = self._row(group_index, piece.slab_index, piece.dp_rank)
+        row.narrow(0, piece.row_offset, piece.numel).copy_(flat_grad.narrow(0, piece.param_start, piece.numel))
+
     def _launch(self, group_index: int, slab_index: int) -> None:
         key = (group_index, slab_index)
         self._launched.add(key)
@@ -207,7 +210,6 @@ class GradientBuckets:
             pieces = self.pieces[group_index][param_index]
             for piece in pieces:
                 if piece.slab_index == slab_index:
-                    self._row(group_index, slab_index, piece.dp_rank).narrow(
-                        0, piece.row_offset, piece.numel).copy_(flat.narrow(0, piece.param_start, piece.numel))
+                    self._copy_piece(group_index, piece, flat)
             if all((group_index, p.slab_index) in self._launched for p in pieces):
                 del self._held[(held_group, param_index)]
