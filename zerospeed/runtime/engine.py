@@ -229,6 +229,35 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         """Bytes this rank holds for lp params, grads, fp32 masters and optimizer states (ours)."""
         return self.optimizer.memory_breakdown()
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the full 16-bit (model dtype) state_dict; at stage 3 only when
+        `stage3_gather_16bit_weights_on_model_save` is on (else it logs and returns False)."""
+        import os
+
+        if self.zero_optimization_partition_weights() and \
+                not self._config.zero_config.gather_16bit_weights_on_model_save:
+            logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
+                        "False", os.path.join(save_dir, save_filename))
+            return False
+        state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters) \
+            if self.zero_optimization_partition_weights() else self.module.state_dict()
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            if exclude_frozen_parameters and not self.zero_optimization_partition_weights():
+                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+                state_dict = {k: v for k, v in state_dict.items() if k not in frozen}
+            torch.save(state_dict, os.path.join(save_dir, save_filename))
+        comm.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        from zerospeed.runtime.zero.partition_parameters import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self.module, exclude_frozen_parameters, self.dp_group)
+
     def set_train_batch_size(self, train_batch_size: int) -> None:
         per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if train_batch_size % per_step != 0:

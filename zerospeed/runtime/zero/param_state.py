@@ -36,6 +36,7 @@ __all__ = [
     "ZeroParamState",
     "ZeroParamStatus",
     "ZeroParamType",
+    "PartitionedParameter",
     "ZeroParameter",
     "attach_state",
     "is_zero_param",
@@ -44,6 +45,7 @@ __all__ = [
     "set_partition",
     "set_persist",
     "set_status",
+    "set_strict",
     "zero_state",
 ]
 
@@ -101,7 +103,7 @@ class ZeroParamState:
     persist: bool = False
     status: ZeroParamStatus = ZeroParamStatus.AVAILABLE
     active_sub_modules: set[int] = dataclasses.field(default_factory=set)
-    external_to: set[int] = dataclasses.field(default_factory=set)   # module ids borrowing it
+    strict: bool = False   # managed by an engine: compute on it while NOT_AVAILABLE raises
 
     @property
     def partition_numel(self) -> int:
@@ -159,6 +161,39 @@ class ZeroParameter(torch.nn.Parameter):
         return torch.nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
 
 
+# Tensor functions a partitioned parameter may see: metadata, attribute access, moves, hooks.
+_METADATA_FUNCTIONS = frozenset(getattr(torch.Tensor, name) for name in (
+    "__hash__", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__len__", "size", "dim",
+    "numel", "element_size", "is_floating_point", "is_complex", "data_ptr", "untyped_storage", "detach",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "to", "cpu", "cuda", "float",
+    "half", "bfloat16", "double", "type", "storage_offset", "stride", "is_contiguous", "get_device",
+    "_is_view", "clone"))
+
+
+class PartitionedParameter(ZeroParameter):
+    """The class of an engine-managed parameter while NOT_AVAILABLE or INFLIGHT: computing with it
+    raises an error naming it, instead of silently using a [0]-shaped tensor (see [Note: ds_*
+    attributes]). Metadata, attribute access and moves stay allowed."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _METADATA_FUNCTIONS or getattr(func, "__name__", "") in ("__get__", "__set__"):
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        state = next(a.zs_state for a in _flat_args(args, kwargs) if isinstance(a, PartitionedParameter))
+        raise RuntimeError(
+            f"ZeRO-3: parameter {state.describe()} is partitioned ({state.status.name}) and was used in "
+            f"{getattr(func, '__name__', func)} outside the forward of a module that fetches it. Gather it "
+            "with zero.GatheredParameters(...), or zero.register_external_parameter(module, param) when "
+            "a module's forward uses it.")
+
+
+def _flat_args(args: Any, kwargs: Any) -> list[Any]:
+    flat: list[Any] = []
+    for value in list(args) + list((kwargs or {}).values()):
+        flat.extend(value if isinstance(value, (list, tuple)) else [value])
+    return flat
+
+
 def is_zero_param(value: Any) -> bool:
     return isinstance(value, ZeroParameter)
 
@@ -203,9 +238,16 @@ def set_partition(param: ZeroParameter, partition: torch.Tensor) -> None:
     _write_ds_attributes(param)
 
 
+def set_strict(param: ZeroParameter) -> None:
+    param.zs_state.strict = True
+    _write_ds_attributes(param)
+
+
 def _write_ds_attributes(param: ZeroParameter) -> None:
-    """[Note: ds_* attributes] — the only writer of the DeepSpeed-visible attributes."""
+    """[Note: ds_* attributes] — the only writer of the DeepSpeed-visible attributes (and class)."""
     state = param.zs_state
+    guarded = state.strict and state.status is not ZeroParamStatus.AVAILABLE
+    param.__class__ = PartitionedParameter if guarded else ZeroParameter
     param.ds_id = state.ds_id
     param.ds_shape = state.shape
     param.ds_numel = state.numel

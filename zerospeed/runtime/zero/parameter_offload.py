@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, is_zero_param, set_persist
+from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, is_zero_param, set_persist, set_strict
 from zerospeed.runtime.zero.partition_parameters import (
     convert_to_zero_param,
     external_parameters,
@@ -130,6 +130,8 @@ class DeepSpeedZeRoOffload:
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
         self._install_hooks(module)
+        for param in self.params:
+            set_strict(param)
 
     # --- setup --------------------------------------------------------------------------------
     def _convert(self, module: torch.nn.Module, names: dict[torch.nn.Parameter, str],
@@ -140,7 +142,7 @@ class DeepSpeedZeRoOffload:
                     param.data = param.data.to(param_dtype)
                 # The engine broadcast the unpartitioned params from rank 0 already.
                 convert_to_zero_param(param, self.dp_group, name=names.get(param, name), broadcast=False)
-            elif not param.zs_state.name or "." not in param.zs_state.name:
+            else:  # built under zero.Init: the model-level name replaces the class-level one
                 param.zs_state.name = names.get(param, name)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:

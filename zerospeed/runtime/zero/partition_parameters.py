@@ -223,12 +223,13 @@ class GatheredParameters:
 
     @torch.no_grad()
     def _publish_from(self, modifier_rank: int) -> None:
+        gathered_ids = {id(p) for p in self._gathered}
         for param in self.params:
             state = param.zs_state
             if state.world_size > 1:
                 comm.broadcast(param.data, src=comm.get_global_rank(state.group, modifier_rank),
                                group=state.group)
-            if param in self._gathered:
+            if id(param) in gathered_ids:
                 continue
             # Already gathered before we entered (e.g. persistent): refresh the partition, keep data.
             start, real = rank_span(state.numel, state.world_size, state.dp_rank)
@@ -369,3 +370,32 @@ def _persistence_threshold(config: Any) -> int:
         return int(zero.get("param_persistence_threshold", zero.get("stage3_param_persistence_threshold", 100_000)))
     zero = getattr(config, "zero_config", None)
     return int(getattr(zero, "param_persistence_threshold", 0)) if zero is not None else 0
+
+
+# --- consolidation (save_16bit_model) ----------------------------------------------------------------
+
+def consolidated_16bit_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool = False,
+                                  group: Any = None) -> dict[str, torch.Tensor] | None:
+    """The full state_dict on rank 0 of `group` (None elsewhere), one module's params gathered at a
+    time so no rank holds more than one module whole beyond the result; tied params share a tensor."""
+    is_source = comm.get_rank(group) == 0
+    state: dict[str, torch.Tensor] = {}
+    by_ds_id: dict[int, torch.Tensor] = {}
+    for prefix, child in module.named_modules():
+        prefix = f"{prefix}." if prefix else ""
+        params = [(n, p) for n, p in child._parameters.items() if p is not None]
+        with GatheredParameters([p for _, p in params], modifier_rank=None):
+            for name, param in params:
+                if exclude_frozen_parameters and not param.requires_grad:
+                    continue
+                if not is_source:
+                    continue
+                key = param.zs_state.ds_id if is_zero_param(param) else id(param)  # type: ignore[union-attr]
+                if key not in by_ds_id:
+                    by_ds_id[key] = param.detach().cpu().clone()
+                state[prefix + name] = by_ds_id[key]
+        if is_source:
+            for name, buffer in child._buffers.items():
+                if buffer is not None and name not in child._non_persistent_buffers_set:
+                    state[prefix + name] = buffer.detach().cpu().clone()
+    return state if is_source else None
