@@ -1,7 +1,12 @@
 import pytest
 
-from zerospeed.launcher.hostfile import (active_resources, decode_world_info, encode_world_info,
-                                         parse_hostfile, parse_node_spec)
+from zerospeed.launcher.hostfile import (
+    active_resources,
+    decode_world_info,
+    encode_world_info,
+    parse_hostfile,
+    parse_node_spec,
+)
 
 HOSTS = {"worker-0": 4, "worker-1": 2}
 

@@ -11,10 +11,10 @@ WI = encode_world_info(RES)
 
 
 def job(**overrides):
-    base = dict(resources=RES, master_addr="10.0.0.1", master_port=29500, user_script="train.py",
-                user_args=["--lr", "1 e-3"], python="/venv/bin/python", cwd="/work dir",
-                exports={"PYTHONPATH": "/work dir", "NCCL_DEBUG": "INFO"},
-                launch_flags=["--no_local_rank"], hostfile="/job/hostfile")
+    base = {"resources": RES, "master_addr": "10.0.0.1", "master_port": 29500, "user_script": "train.py",
+            "user_args": ["--lr", "1 e-3"], "python": "/venv/bin/python", "cwd": "/work dir",
+            "exports": {"PYTHONPATH": "/work dir", "NCCL_DEBUG": "INFO"},
+            "launch_flags": ["--no_local_rank"], "hostfile": "/job/hostfile"}
     return Job(**{**base, **overrides})
 
 

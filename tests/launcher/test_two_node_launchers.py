@@ -5,7 +5,6 @@ ranks), CROSS_RANK / CROSS_SIZE, and the cross-node abort when a rank on the oth
 """
 
 import json
-import os
 import subprocess
 import time
 

@@ -75,7 +75,7 @@ def _slots_per_node(job: Job, launcher: str) -> int:
     counts = {len(slots) for slots in job.resources.values()}
     if len(counts) != 1:
         raise ValueError(f"--launcher {launcher} needs the same number of slots on every node, "
-                         f"got {dict((h, len(s)) for h, s in job.resources.items())}")
+                         f"got { {h: len(s) for h, s in job.resources.items()} }")
     return counts.pop()
 
 

@@ -15,8 +15,10 @@ stops the job everywhere when one node fails or this process is signalled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -175,19 +177,25 @@ def run_multi_node(args: argparse.Namespace, resources: dict[str, list[int]]) ->
     return _wait_for_nodes(procs, stop, received, args if uses_store else None)
 
 
+def _failed_code(procs: list[subprocess.Popen]) -> int | None:
+    """The exit code of the first command that failed (128 + signal if it was killed), if any."""
+    for proc in procs:
+        code = proc.poll()
+        if code:
+            return code if code > 0 else 128 - code
+    return None
+
+
 def _wait_for_nodes(procs: list[subprocess.Popen], stop: threading.Event, received: list[int],
                     store_args: argparse.Namespace | None) -> int:
     """Exit with the first non-zero code; on a failure or a signal, stop the job everywhere."""
-    failed_code = 0
-    while any(p.poll() is None for p in procs):
-        codes = [p.poll() for p in procs if p.poll() not in (None, 0)]
-        if codes or stop.is_set():
-            failed_code = codes[0] if codes else 128 + (received[0] if received else 15)
-            break
+    while any(p.poll() is None for p in procs) and _failed_code(procs) is None and not stop.is_set():
         stop.wait(0.2)
-    else:
-        codes = [p.returncode for p in procs if p.returncode != 0]
-        return codes[0] if codes else 0
+    failed_code = _failed_code(procs)
+    if failed_code is None and not stop.is_set():
+        return 0
+    if failed_code is None:
+        failed_code = 128 + (received[0] if received else signal.SIGTERM)
     if not stop.is_set():  # a node failed: the others normally stop themselves on its abort
         _wait_until(lambda: all(p.poll() is not None for p in procs), 3.0)
     # Node 0's launcher hosts the store; once it has exited the others see the store go.
@@ -198,10 +206,11 @@ def _wait_for_nodes(procs: list[subprocess.Popen], stop: threading.Event, receiv
         time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, 15)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
     for p in procs:
         p.wait()
-    return failed_code if failed_code > 0 else 1
+    return failed_code
 
 
 def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:
@@ -211,16 +220,14 @@ def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:
 
 
 def _raise_remote_abort(args: argparse.Namespace, message: str) -> None:
-    try:
-        from datetime import timedelta
+    from datetime import timedelta
 
-        from torch.distributed import TCPStore
+    from torch.distributed import TCPStore
 
+    with contextlib.suppress(Exception):  # node 0 is already gone: the others see that too
         store = TCPStore(args.master_addr, args.master_port, None, False, timedelta(seconds=3))
         if not store.check(["zerospeed/abort"]):
             store.set("zerospeed/abort", message)
-    except Exception:  # noqa: BLE001 - node 0 is already gone: the others see that too
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     multi = len(resources) > 1 or args.force_multi
     if args.no_ssh:
-        args.master_addr = args.master_addr or list(resources)[0]
+        args.master_addr = args.master_addr or next(iter(resources))
         args.master_port = args.master_port or 29500
         return run_single_node(args, resources, args.node_rank)
     if not multi:
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         args.master_port = args.master_port or _free_port()
         return run_single_node(args, resources, 0)
     args.master_port = args.master_port or 29500
-    args.master_addr = args.master_addr or _first_host_address(list(resources)[0], args.ssh_port)
+    args.master_addr = args.master_addr or _first_host_address(next(iter(resources)), args.ssh_port)
     try:
         return run_multi_node(args, resources)
     except ValueError as exc:

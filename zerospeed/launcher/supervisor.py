@@ -21,6 +21,7 @@ every node has reported done (or an abort), so a slower node is not cut off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -55,11 +56,9 @@ class AbortChannel:
         self._last_check = 0.0
 
     def raise_abort(self, message: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the store is gone: the others notice that too
             if not self._store.check([_ABORT_KEY]):
                 self._store.set(_ABORT_KEY, message)
-        except Exception:  # noqa: BLE001 - the store is gone: the others notice that too
-            pass
 
     def poll(self) -> str | None:
         """The abort message, if any node raised one (checked at most once a second)."""
@@ -76,7 +75,7 @@ class AbortChannel:
 
     def mark_done_and_wait(self, stop: threading.Event) -> None:
         """Report this node done; node 0 then keeps the store up until all nodes are done."""
-        try:
+        with contextlib.suppress(Exception):  # a lost store: nobody is left to wait for
             self._store.add(_DONE_KEY, 1)
             if self.node_rank != 0:
                 return
@@ -85,8 +84,6 @@ class AbortChannel:
                 if self._store.add(_DONE_KEY, 0) >= self.num_nodes or self._store.check([_ABORT_KEY]):
                     return
                 time.sleep(0.5)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 @dataclass
