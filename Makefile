@@ -19,7 +19,7 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 	touch $@
 
 demo: $(VENV)/.base
-	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py --deepspeed_config examples/configs/zero2.json
+	$(VENV)/bin/zerospeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/configs/zero2.json
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests

@@ -71,3 +71,23 @@ def test_fp16_matches_fp32_without_overflow():
     assert fp16[4] == 0
     for loss32, loss16 in zip(fp32[0], fp16[0]):
         assert abs(loss32 - loss16) <= 1e-2 * max(1.0, abs(loss32))
+
+
+def _profile_one_step(tmp_path):
+    output = f"{tmp_path}/flops.txt"
+    config = {**_config(), "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": output},
+              "wall_clock_breakdown": True, "steps_per_print": 1}
+    engine, _, _, _ = zerospeed.initialize(model=make_model(), config=config)
+    rank = torch.distributed.get_rank()
+    for batch in global_batches(3, GLOBAL_BATCH):
+        x, y = micro_batch(batch, 0, rank, GLOBAL_BATCH // 2, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+    return open(output).read() if rank == 0 else None
+
+
+def test_flops_profiler_block_reports_the_profiled_step(tmp_path):
+    report = run_on_ranks(_profile_one_step, 2, str(tmp_path))[0]
+    # fc1 8x16, fc2 16x16, head 16x4 on a micro-batch of 8 rows: MACs = 8 * (128 + 256 + 64).
+    assert "params:" in report.lower() or "params" in report
+    assert "3.58 K" in report or "3584" in report.replace(",", "")

@@ -130,11 +130,16 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
     # --- forward / backward / step ------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.monitoring.on_forward(inputs, kwargs)
+        profiling = self.monitoring.profiling_this_step(self)
+        if profiling:
+            self.monitoring.start_flops_profile(self)
         self.monitoring.start("fwd")
         if self._config.fp16_enabled and self._config.fp16.auto_cast:
             inputs, kwargs = cast_inputs(inputs, kwargs, torch.float16)
         output = self.module(*inputs, **kwargs)
         self.monitoring.stop("fwd")
+        if profiling:
+            self.monitoring.stop_flops_profile()
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -144,7 +149,9 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         self.monitoring.record_loss(loss.detach())
+        self.monitoring.start("bwd_inner")
         self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+        self.monitoring.stop("bwd_inner")
         if not self._inside_no_sync:
             self.monitoring.start("bwd_allreduce")
             self.optimizer.backward_epilogue(self.is_gradient_accumulation_boundary())

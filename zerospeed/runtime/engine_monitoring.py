@@ -8,13 +8,17 @@ samples/s, tokens/s and memory), at each accumulation boundary, on rank 0, again
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from zerospeed.utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 
-_BREAKDOWN_TIMERS = ("fwd", "bwd", "bwd_allreduce", "step")
+_BREAKDOWN_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+# DeepSpeed's monitor tags for the timers: Train/Samples/elapsed_time_ms_<tag>.
+_TIMER_TAGS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
+               "bwd_allreduce": "backward_allreduce", "step": "step"}
 
 
 class EngineMonitoring:
@@ -31,6 +35,8 @@ class EngineMonitoring:
         self._loss_sum: torch.Tensor | None = None
         self._tokens_in_step = 0
         self.last_loss: float | None = None
+        self.flops_profiler: Any = None
+        self._profile_start_s = 0.0
 
     @staticmethod
     def _build_monitor(config: Any) -> Any:
@@ -69,6 +75,7 @@ class EngineMonitoring:
             self.last_loss = float(self._loss_sum.float().item())
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events(self._events(engine))
+        self.report_flops_profile()
         if self.breakdown and engine.steps_per_print() and engine.global_steps % engine.steps_per_print() == 0:
             self.timers.log([f"{name}_microstep" for name in _BREAKDOWN_TIMERS] + list(_BREAKDOWN_TIMERS),
                             memory_breakdown=bool(self.config.memory_breakdown))
@@ -87,8 +94,8 @@ class EngineMonitoring:
             events.append(("Train/Samples/grad_norm", float(engine.get_global_grad_norm()), step))
         events += self._throughput_events(step)
         if self.breakdown:
-            events += [(f"Train/Samples/elapsed_time_ms_{name}", self.timers(name).elapsed(reset=False), step)
-                       for name in _BREAKDOWN_TIMERS if self.timers.has(name)]
+            events += [(f"Train/Samples/elapsed_time_ms_{_TIMER_TAGS[name]}", self.timers(name).elapsed(reset=False),
+                        step) for name in _BREAKDOWN_TIMERS if self.timers.has(name)]
         return events
 
     def _throughput_events(self, step: int) -> list[tuple[str, float, int]]:
@@ -102,6 +109,36 @@ class EngineMonitoring:
                 tokens_per_sample = self._tokens_in_step / max(self.tput_timer.batch_size, 1)
                 events.append(("Train/Samples/tokens_per_sec", samples_per_sec * tokens_per_sample, step))
         return events
+
+    # --- flops profiler -----------------------------------------------------------------------------
+    def profiling_this_step(self, engine: Any) -> bool:
+        profiler_config = self.config.flops_profiler_config
+        # Only the first micro-batch of the profiled step: its forward is what the report describes.
+        return bool(profiler_config.enabled) and self.global_rank == 0 and self.flops_profiler is None and \
+            engine.global_steps + 1 == profiler_config.profile_step
+
+    def start_flops_profile(self, engine: Any) -> None:
+        from zerospeed.profiling.flops_profiler import FlopsProfiler
+
+        self.flops_profiler = FlopsProfiler(engine.module, engine,
+                                            self.config.flops_profiler_config.recompute_fwd_factor)
+        self._profile_start_s = time.perf_counter()
+        self.flops_profiler.start_profile()
+
+    def stop_flops_profile(self) -> None:
+        if self.flops_profiler is not None:
+            self.flops_profiler.stop_profile()
+
+    def report_flops_profile(self) -> None:
+        if self.flops_profiler is None:
+            return
+        profiler_config = self.config.flops_profiler_config
+        self.flops_profiler.print_model_profile(
+            profile_step=profiler_config.profile_step, module_depth=profiler_config.module_depth,
+            top_modules=profiler_config.top_modules, detailed=profiler_config.detailed,
+            output_file=profiler_config.output_file, step_latency_s=time.perf_counter() - self._profile_start_s)
+        self.flops_profiler.end_profile()
+        self.flops_profiler = None
 
     def close(self) -> None:
         if self.monitor is not None:
