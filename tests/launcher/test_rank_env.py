@@ -2,7 +2,7 @@ import sys
 
 import pytest
 
-from zerospeed.launcher.launch import build_rank_specs, child_command
+from zerospeed.launcher.launch import build_rank_specs, check_node, child_command, parse_args, version_tag
 
 WORLD = {"node-a": [0, 1], "node-b": [2, 3, 5]}
 
@@ -31,3 +31,15 @@ def test_command_variants(module, no_python, no_local_rank, argv):
 def test_bad_node_rank():
     with pytest.raises(ValueError, match="--node_rank 2 is outside the 2 nodes"):
         build_rank_specs(WORLD, 2, "a", 1, ["x"])
+
+
+def test_every_node_checks_versions_and_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    ok = parse_args(["--world_info=x", f"--expect_versions={version_tag()}", str(script)])
+    check_node(ok, "node-b")
+    with pytest.raises(ValueError, match=r"host 'node-b' runs python=.*, but the job was started with python=2.7"):
+        check_node(parse_args(["--world_info=x", "--expect_versions=python=2.7,zerospeed=0.0", str(script)]),
+                    "node-b")
+    with pytest.raises(ValueError, match="executable 'no-such-tool' not found on host 'node-b'"):
+        check_node(parse_args(["--world_info=x", "--no_python", "no-such-tool"]), "node-b")

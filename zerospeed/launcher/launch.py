@@ -28,7 +28,7 @@ from zerospeed.launcher.hostfile import decode_world_info
 from zerospeed.launcher.rank_process import RankProcess, RankSpec
 from zerospeed.launcher.supervisor import AbortChannel, Outcome, supervise
 
-__all__ = ["build_rank_specs", "main", "version_tag"]
+__all__ = ["build_rank_specs", "check_node", "main", "version_tag"]
 
 PID_FILE_DIR = "/tmp"
 
@@ -113,7 +113,7 @@ def _log(args: argparse.Namespace, message: str) -> None:
         print(f"[zerospeed launch] {message}", file=sys.stderr, flush=True)
 
 
-def _check_node(args: argparse.Namespace, host: str) -> None:
+def check_node(args: argparse.Namespace, host: str) -> None:
     if args.expect_versions and args.expect_versions != version_tag():
         raise ValueError(f"host {host!r} runs {version_tag()}, "
                          f"but the job was started with {args.expect_versions}")
@@ -167,7 +167,7 @@ def report(outcome: Outcome, host: str) -> None:
 def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int]) -> int:
     world_info = decode_world_info(args.world_info)
     host = list(world_info)[args.node_rank] if 0 <= args.node_rank < len(world_info) else "?"
-    _check_node(args, host)
+    check_node(args, host)
     command = child_command(args.training_script, args.training_script_args, args.module, args.no_python)
     specs = build_rank_specs(world_info, args.node_rank, args.master_addr, args.master_port,
                              command, args.no_local_rank, _uses_cuda())

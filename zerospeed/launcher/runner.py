@@ -141,10 +141,14 @@ def forwarded_env(environ: dict[str, str], cwd: str) -> dict[str, str]:
     return exports
 
 
-def _first_host_address(host: str, ssh_port: int | None) -> str:
-    port = ["-p", str(ssh_port)] if ssh_port else []
+def _first_host_address(args: argparse.Namespace, host: str) -> str:
+    """DeepSpeed's default master address: the first of ``ssh <host> hostname -I``."""
+    if args.launcher.lower() not in ("pdsh", "ssh"):
+        return host
+    port = ["-p", str(args.ssh_port)] if args.ssh_port else []
+    ssh_args = shlex.split(args.launcher_args) if args.launcher.lower() == "ssh" else []
     try:
-        out = subprocess.run(["ssh", "-o", "BatchMode=yes", *port, host, "hostname -I"],
+        out = subprocess.run(["ssh", "-o", "BatchMode=yes", *port, *ssh_args, host, "hostname -I"],
                              capture_output=True, text=True, timeout=30, check=True).stdout.split()
         return out[0] if out else host
     except (OSError, subprocess.SubprocessError):
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         args.master_port = args.master_port or _free_port()
         return run_single_node(args, resources, 0)
     args.master_port = args.master_port or 29500
-    args.master_addr = args.master_addr or _first_host_address(next(iter(resources)), args.ssh_port)
+    args.master_addr = args.master_addr or _first_host_address(args, next(iter(resources)))
     try:
         return run_multi_node(args, resources)
     except ValueError as exc:
