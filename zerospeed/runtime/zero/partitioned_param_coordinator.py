@@ -138,7 +138,9 @@ class PartitionedParameterCoordinator:
             self._complete(handle)
 
     def _prefetch(self) -> None:
-        budget = min(self.max_live_parameters - self.n_available_numel, self.prefetch_bucket_size)
+        """Gather ahead along the trace: up to `prefetch_bucket_size` elements (the last parameter
+        may overshoot it, as DeepSpeed's), never past `max_live_parameters` (strict)."""
+        room = self.max_live_parameters - self.n_available_numel
         chosen: dict[int, ZeroParameter] = {}
         chosen_numel = 0
         for entry in self.trace[self.step_id + 1:]:
@@ -146,7 +148,7 @@ class PartitionedParameterCoordinator:
                 state = param.zs_state
                 if state.status is not ZeroParamStatus.NOT_AVAILABLE or state.ds_id in chosen:
                     continue
-                if chosen_numel + state.numel > budget:
+                if chosen_numel >= self.prefetch_bucket_size or chosen_numel + state.numel > room:
                     self._start_gather(list(chosen.values()), async_op=True)
                     return
                 chosen[state.ds_id] = param
