@@ -1,6 +1,7 @@
 """The launcher with real processes: env + all_reduce, fail-fast, signals, bad script, teardown abort."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -93,3 +94,16 @@ def test_the_launcher_imports_no_training_code():
             "print(sorted(m for m in sys.modules if m.startswith('zerospeed.runtime')))")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_gpt.py")
+
+
+@pytest.mark.skipif(not os.path.exists(EXAMPLE), reason="examples/train_gpt.py is not there")
+def test_two_ranks_train_the_example(tmp_path):
+    config = os.path.join(os.path.dirname(EXAMPLE), "configs", "zero2.json")
+    out = subprocess.run(launcher_argv("--num_gpus", "2", EXAMPLE, "--deepspeed_config", config, "--steps", "3",
+                                       "--save_dir", str(tmp_path / "run")),
+                         env=env(), cwd=tmp_path, check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "loss: first" in out.stdout
