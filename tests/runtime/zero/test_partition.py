@@ -5,7 +5,7 @@ import pytest
 from zerospeed.runtime.zero.partition import (
     allgather_chunks,
     build_layout,
-    param_pieces,
+    owner_fragments,
     plan_slabs,
     round_robin_order,
     slab_real_numel,
@@ -56,21 +56,23 @@ def test_slabs_tile_the_partition_tail_first():
     assert len(plan_slabs(10, 4, 1)) == 10  # a tiny bucket still makes progress: one element per row
 
 
-def test_pieces_route_every_gradient_element_to_its_owner_row():
+def test_owner_fragments_route_every_element_to_its_owner():
     numels = [3, 7, 2, 9]
-    world_size = 3
-    layout = build_layout(numels, world_size)
-    slabs = plan_slabs(layout.partition_numel, world_size, bucket_numel=9)   # rows of 3
-    seen = set()
-    for index, pieces in enumerate(param_pieces(layout, slabs)):
-        for piece in pieces:
-            slab = slabs[piece.slab_index]
-            for k in range(piece.numel):
-                flat = layout.param_offsets[index] + piece.param_start + k
-                assert flat == layout.partition_start(piece.dp_rank) + slab.offset + piece.row_offset + k
-                seen.add(flat)
-    assert seen == set(range(layout.numel))
+    layout = build_layout(numels, 3)
+    owners = owner_fragments(layout)
+    assert [[rank for rank, _ in parts] for parts in owners] == [[0], [0, 1], [1], [1, 2]]
+    for index, parts in enumerate(owners):
+        assert sum(f.numel for _, f in parts) == numels[index]
+        for rank, frag in parts:
+            flat_start = layout.partition_start(rank) + frag.partition_start
+            assert layout.param_offsets[index] + frag.param_start == flat_start
+
+
+def test_slab_real_numel_counts_gradient_elements_only():
+    layout = build_layout([3, 7, 2, 9], 3)   # 21 real of 24
+    slabs = plan_slabs(layout.partition_numel, 3, bucket_numel=9)
     assert sum(slab_real_numel(layout, s) for s in slabs) == layout.numel
+    assert slab_real_numel(layout, slabs[0]) == 3 + 3 + 0   # the tail rows; rank 2's are padding
 
 
 def test_allgather_chunks():

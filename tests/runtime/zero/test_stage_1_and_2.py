@@ -211,37 +211,53 @@ def _comm_volume(stage, reduce_scatter, bucket):
     finally:
         comms_logger.configure(enabled=False)
         comms_logger.reset()
+    real = sum(g.layout.numel for g in optimizer.groups)
     padded = sum(g.layout.padded_numel for g in optimizer.groups)
     real_slabs = sum(1 for g in optimizer.groups for s in g.slabs if slab_real_numel(g.layout, s) > 0)
-    return [(r.op, r.msg_bytes) for r in records], padded, real_slabs
+    largest = max(p.numel() for g in optimizer.groups for p in g.params)
+    return [(r.op, r.msg_bytes) for r in records], real, padded, real_slabs, largest
+
+
+def _grad_reduction_op(stage, reduce_scatter):
+    if not reduce_scatter:
+        return "all_reduce"
+    return "reduce_scatter_tensor" if stage == 1 else "all_to_all_single"
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("reduce_scatter", [True, False])
 def test_one_step_moves_the_2psi_bound(stage, reduce_scatter):
-    bucket = 8   # rows of 4 elements: every slab message is 32 bytes, scalars are <= 8
-    records, padded, real_slabs = run_on_ranks(_comm_volume, 2, stage, reduce_scatter, bucket)[0]
-    grad_op = "reduce_scatter_tensor" if reduce_scatter else "all_reduce"
+    bucket = 8   # stage 1: rows of 4, every slab message is 32 bytes; scalars are <= 8 bytes
+    results = run_on_ranks(_comm_volume, 2, stage, reduce_scatter, bucket)
+    records, real, padded, real_slabs, largest = results[0]
     big = [(op, size) for op, size in records if size > 8]   # scalars: the norm (fp32 has no overflow check)
-    grad_calls = [size for op, size in big if op == grad_op]
+    grad_calls = [size for op, size in big if op == _grad_reduction_op(stage, reduce_scatter)]
     gather_calls = [size for op, size in big if op == "all_gather_into_tensor"]
-    assert len(grad_calls) == real_slabs                             # one reduction per bucket
-    assert sum(grad_calls) <= padded * 4 and sum(grad_calls) >= (padded - 4) * 4
+    if stage == 1:       # slabs of the padded flat buffer, pure-padding slabs skipped
+        assert len(grad_calls) == real_slabs and all(size == bucket * 4 for size in grad_calls)
+        assert (padded - 4) * 4 <= sum(grad_calls) <= padded * 4
+    else:                # production-order buckets: every trainable gradient element exactly once
+        assert sum(grad_calls) == real * 4
+        assert len(grad_calls) >= real // largest and all(size <= largest * 4 for size in grad_calls)
     assert sum(gather_calls) == padded * 4                          # the updated parameters, once
     assert len(big) == len(grad_calls) + len(gather_calls)          # nothing else tensor-sized
 
 
 def _default_buckets_volume(stage):
-    records, padded, _ = _comm_volume(stage, True, 500_000_000)
-    return records, padded
+    records, real, padded, _, _ = _comm_volume(stage, True, 500_000_000)
+    return records, real, padded
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_default_buckets_one_reduce_scatter_and_one_gather_per_group(stage):
-    records, padded = run_on_ranks(_default_buckets_volume, 2, stage)[0]
-    big = [(op, size) for op, size in records if size > 8]
-    assert sorted(op for op, _ in big) == ["all_gather_into_tensor"] * 2 + ["reduce_scatter_tensor"] * 2
-    assert sum(size for _, size in big) == 2 * padded * 4           # exactly 2 Psi (padded), fp32
+def test_default_buckets_reduce_once_and_gather_once_per_group(stage):
+    records, real, padded = run_on_ranks(_default_buckets_volume, 2, stage)[0]
+    big = sorted((op, size) for op, size in records if size > 8)
+    if stage == 1:       # one slab per group
+        assert [op for op, _ in big] == ["all_gather_into_tensor"] * 2 + ["reduce_scatter_tensor"] * 2
+        assert sum(size for _, size in big) == 2 * padded * 4       # exactly 2 Psi (padded), fp32
+    else:                # one bucket for the whole backward
+        assert [op for op, _ in big] == ["all_gather_into_tensor"] * 2 + ["all_to_all_single"]
+        assert sum(size for _, size in big) == (real + padded) * 4
 
 
 # --- memory -----------------------------------------------------------------------------------

@@ -1,41 +1,41 @@
 """Bucketed, optionally overlapped reduction of gradients into their owners' partitions (ZeRO 1/2).
 
-A bucket is a `Slab` (partition.py, [Note: slab buckets]): `world_size` equal rows, row r being
-the slice of rank r's partition at the slab's offsets. Reducing it is one equal-split
-`reduce_scatter_tensor` (`reduce_scatter: true`) or one `all_reduce` after which each rank keeps
-its own row (`reduce_scatter: false`; on gloo this is often the faster of the two). Either way
-the bytes sent per step are the trainable (padded) gradient volume, once.
+Two shapes of bucket, one reducer:
 
-- `SlabReducer` runs the collectives in `communication_data_type` with DeepSpeed's averaging
-  rules and, with `overlap_comm`, asynchronously with at most two reductions in flight (double
-  buffering). It only ever calls `wait()` on a handle: on gloo an async reduce-scatter's
-  `is_completed()` never turns true and it has no future.
-- `GradientBuckets` (stage 2) takes each parameter's gradient as backward produces it, copies it
-  into the slab rows it belongs to (`contiguous_gradients`; without it the gradient is held and
-  copied when its slab is reduced) and reduces a slab as soon as all its rows are filled.
-- `reduce_flat_gradients` (stage 1) reduces a full flat gradient buffer at the boundary.
+- Stage 1 reduces a full flat gradient buffer at the boundary in `Slab`s (partition.py, [Note:
+  slab buckets]): `world_size` equal rows, row r the slice of rank r's partition, so each slab is
+  one equal-split `reduce_scatter_tensor` (`reduce_scatter: true`) or one `all_reduce` after
+  which each rank keeps its own row (`reduce_scatter: false`; on gloo often the faster).
+- Stage 2 (`GradientBuckets`) takes gradients in the order backward produces them: each is
+  copied into the open bucket (`contiguous_gradients`; without it the gradient is held and
+  concatenated when the bucket is reduced) and freed; a bucket of `reduce_bucket_size` elements
+  is reduced as soon as it is full, each slice going to the rank that owns it. With
+  `reduce_scatter: true` that is a reduce-scatter with uneven splits, which no
+  `reduce_scatter_tensor` can express: one `all_to_all_single` sends every slice to its owner,
+  which sums the W copies it receives. With `reduce_scatter: false` the bucket is all-reduced
+  and each rank keeps the slices it owns (DeepSpeed's `use_multi_rank_bucket_allreduce`).
 
-[Note: stage 2 peak memory]
-A slab has a row in every partition, so it fills only when backward has produced gradients from
-all of the model's `world_size` parts; until then its rows wait in their buffer. Gradients are
-freed as soon as they are copied, but up to about (W-1)/W of the gradient volume can be waiting
-in slab buffers near the end of backward. What stays after backward is only this rank's
-partition (the ZeRO-2 saving `memory_breakdown()` reports). Reducing buckets in production
-order instead would need uneven splits (reduce to each owner), which a reduce-scatter lacks.
+Either way a step sends the trainable gradient volume once per reduction (the comms logger counts
+each bucket's input) and, with `overlap_comm`, runs asynchronously with at most two reductions in
+flight (double buffering) while backward continues. The reducer only ever calls `wait()` on a
+handle: on gloo an async reduce-scatter's `is_completed()` never turns true and it has no future.
+Every rank must produce gradients in the same order (the same graph), as in DeepSpeed, so that
+all ranks issue the same collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zerospeed import comm
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.zero.partition import GroupLayout, Slab, SlabPiece, param_pieces, slab_real_numel
+from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
-__all__ = ["GradientBuckets", "SlabReducer", "averaging_factors", "reduce_flat_gradients"]
+__all__ = ["GradientBuckets", "OwnedSlice", "GradReducer", "averaging_factors", "reduce_flat_gradients"]
 
 _MAX_IN_FLIGHT = 2
 
@@ -54,13 +54,21 @@ def averaging_factors(settings: PrecisionSettings, world_size: int) -> tuple[flo
 @dataclasses.dataclass
 class _InFlight:
     handle: Any
-    rows: torch.Tensor          # the input, kept alive until the collective is done
-    output: torch.Tensor        # this rank's reduced row, communication dtype
-    dest: torch.Tensor          # where the row goes (gradient partition slice)
-    accumulate: bool
+    keepalive: tuple[torch.Tensor, ...]   # the collective's buffers, alive until it is done
+    finish: Callable[[], None]
 
 
-class SlabReducer:
+@dataclasses.dataclass(frozen=True)
+class OwnedSlice:
+    """`numel` elements at `bucket_offset` of a stage-2 bucket, owned by `dp_rank`."""
+
+    dp_rank: int
+    bucket_offset: int
+    numel: int
+    dest: torch.Tensor | None             # this rank's gradient partition slice, if it owns it
+
+
+class GradReducer:
     def __init__(self, group: Any, settings: PrecisionSettings, use_reduce_scatter: bool,
                  overlap_comm: bool) -> None:
         self.group = group
@@ -71,10 +79,9 @@ class SlabReducer:
         self.before, self.after = averaging_factors(settings, self.world_size)
         self._in_flight: list[_InFlight] = []
 
-    def reduce(self, rows: torch.Tensor, dest: torch.Tensor, accumulate: bool) -> None:
-        """Sum `rows` ([W * n], communication dtype) over ranks into `dest` ([n]): add or copy."""
-        if self.before != 1.0:
-            rows.mul_(self.before)
+    def reduce(self, rows: torch.Tensor, dest: torch.Tensor) -> None:
+        """Sum `rows` ([W * n], one row per rank) over ranks; this rank's row into `dest` ([n])."""
+        self._scale(rows, self.before)
         row_numel = rows.numel() // self.world_size
         if self.use_reduce_scatter:
             output = torch.empty(row_numel, dtype=rows.dtype, device=rows.device)
@@ -82,27 +89,59 @@ class SlabReducer:
         else:
             handle = comm.all_reduce(rows, group=self.group, async_op=self.overlap_comm)
             output = rows.narrow(0, self.dp_rank * row_numel, row_numel)
-        self._in_flight.append(_InFlight(handle, rows, output, dest, accumulate))
-        while len(self._in_flight) > (_MAX_IN_FLIGHT if self.overlap_comm else 0):
-            self._finish(self._in_flight.pop(0))
+
+        def finish() -> None:
+            dest.copy_(self._scale(output, self.after))
+        self._submit(_InFlight(handle, (rows, output), finish))
+
+    def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice]) -> None:
+        """Sum `flat` over ranks and add each slice this rank owns into its `dest`."""
+        self._scale(flat, self.before)
+        mine = [s for s in slices if s.dp_rank == self.dp_rank]
+        if not self.use_reduce_scatter:
+            handle = comm.all_reduce(flat, group=self.group, async_op=self.overlap_comm)
+            received, starts = flat, [s.bucket_offset for s in mine]
+            reduce_copies = False
+        else:
+            by_owner = sorted(slices, key=lambda s: s.dp_rank)          # stable: bucket order per owner
+            send = torch.cat([flat.narrow(0, s.bucket_offset, s.numel) for s in by_owner])
+            send_splits = [sum(s.numel for s in slices if s.dp_rank == r) for r in range(self.world_size)]
+            mine_numel = send_splits[self.dp_rank]
+            received = torch.empty(self.world_size * mine_numel, dtype=flat.dtype, device=flat.device)
+            handle = comm.all_to_all_single(received, send, [mine_numel] * self.world_size, send_splits,
+                                            group=self.group, async_op=self.overlap_comm)
+            starts = [sum(s.numel for s in mine[:k]) for k in range(len(mine))]
+            flat, reduce_copies = send, True
+
+        def finish() -> None:
+            summed = received.view(self.world_size, -1).sum(dim=0) if reduce_copies else received
+            for owned, start in zip(mine, starts):
+                assert owned.dest is not None
+                owned.dest.add_(self._scale(summed.narrow(0, start, owned.numel), self.after))
+        self._submit(_InFlight(handle, (flat, received), finish))
 
     def wait_all(self) -> None:
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
 
-    def _finish(self, work: _InFlight) -> None:
+    def _submit(self, work: _InFlight) -> None:
+        self._in_flight.append(work)
+        while len(self._in_flight) > (_MAX_IN_FLIGHT if self.overlap_comm else 0):
+            self._finish(self._in_flight.pop(0))
+
+    @staticmethod
+    def _finish(work: _InFlight) -> None:
         if work.handle is not None:
             work.handle.wait()
-        if self.after != 1.0:
-            work.output.mul_(self.after)
-        if work.accumulate:
-            work.dest.add_(work.output)
-        else:
-            work.dest.copy_(work.output)
+        work.finish()
+
+    @staticmethod
+    def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        return tensor.mul_(factor) if factor != 1.0 else tensor
 
 
 def reduce_flat_gradients(flat_grad: torch.Tensor, layout: GroupLayout, slabs: list[Slab],
-                          reducer: SlabReducer, comm_dtype: torch.dtype) -> None:
+                          reducer: GradReducer, comm_dtype: torch.dtype) -> None:
     """Stage 1 at the boundary: reduce a full flat gradient buffer; this rank's partition of it
     then holds the reduced (averaged) gradients. Other partitions keep stale values."""
     rows_view = flat_grad.view(layout.world_size, layout.partition_numel)
@@ -112,38 +151,31 @@ def reduce_flat_gradients(flat_grad: torch.Tensor, layout: GroupLayout, slabs: l
         window = rows_view.narrow(1, slab.offset, slab.numel)
         rows = torch.empty(window.shape, dtype=comm_dtype, device=flat_grad.device)
         rows.copy_(window)
-        reducer.reduce(rows.view(-1), rows_view[reducer.dp_rank].narrow(0, slab.offset, slab.numel),
-                       accumulate=False)
+        reducer.reduce(rows.view(-1), rows_view[reducer.dp_rank].narrow(0, slab.offset, slab.numel))
     reducer.wait_all()
 
 
 class GradientBuckets:
-    """Stage 2: per-parameter gradients into slab rows, each full slab reduced into the partition."""
+    """Stage 2: gradients bucketed in production order, each full bucket reduced to the owners."""
 
-    def __init__(self, layouts: list[GroupLayout], slabs: list[list[Slab]],
-                 partitions: list[torch.Tensor], reducer: SlabReducer, comm_dtype: torch.dtype,
-                 contiguous_gradients: bool) -> None:
-        self.layouts = layouts
-        self.slabs = slabs
-        self.partitions = partitions          # this rank's gradient partition per group (accumulated)
+    def __init__(self, layouts: list[GroupLayout], partitions: list[torch.Tensor], reducer: GradReducer,
+                 comm_dtype: torch.dtype, bucket_numel: int, contiguous_gradients: bool) -> None:
+        if bucket_numel < 1:
+            raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
+        self.owners = [owner_fragments(layout) for layout in layouts]
+        self.partitions = partitions      # this rank's gradient partition per group (accumulated)
         self.reducer = reducer
         self.comm_dtype = comm_dtype
+        self.bucket_numel = min(bucket_numel, max(1, sum(layout.numel for layout in layouts)))
         self.contiguous_gradients = contiguous_gradients
-        self.pieces = [param_pieces(layout, group_slabs) for layout, group_slabs in zip(layouts, slabs)]
-        self.real_numel = [[slab_real_numel(layout, s) for s in group_slabs]
-                           for layout, group_slabs in zip(layouts, slabs)]
-        self._reset()
-
-    def _reset(self) -> None:
-        self._remaining = [list(numels) for numels in self.real_numel]
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self._held: dict[tuple[int, int], torch.Tensor] = {}     # gradients not yet copied
         self._arrived: set[tuple[int, int]] = set()
-        self._launched: set[tuple[int, int]] = set()
+        self._open_bucket()
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._arrived)
+    def _open_bucket(self) -> None:
+        self._entries: list[tuple[int, int, int]] = []      # (group, param, offset in bucket)
+        self._filled = 0
+        self._buffer: torch.Tensor | None = None
+        self._held: list[torch.Tensor] = []
 
     def add_grad(self, group_index: int, param_index: int, grad: torch.Tensor) -> None:
         key = (group_index, param_index)
@@ -152,64 +184,42 @@ class GradientBuckets:
                                "produced twice before the backward epilogue (ZeRO stage 2 reduces each "
                                "gradient once per backward; no_sync is not supported at stage 2).")
         self._arrived.add(key)
+        numel = grad.numel()
+        if self._entries and self._filled + numel > self.bucket_numel:
+            self._reduce_bucket()
         flat = grad.detach().reshape(-1)
-        if not self.contiguous_gradients:
-            self._held[key] = flat
-        ready = []
-        for piece in self.pieces[group_index][param_index]:
-            if self.contiguous_gradients:
-                self._copy_piece(group_index, piece, flat)
-            remaining = self._remaining[group_index]
-            remaining[piece.slab_index] -= piece.numel
-            if remaining[piece.slab_index] == 0:
-                ready.append(piece.slab_index)
-        for slab_index in ready:
-            self._launch(group_index, slab_index)
+        if self.contiguous_gradients:
+            if self._buffer is None:
+                self._buffer = torch.empty(max(self.bucket_numel, numel), dtype=self.comm_dtype,
+                                           device=grad.device)
+            self._buffer.narrow(0, self._filled, numel).copy_(flat)
+        else:
+            self._held.append(flat)
+        self._entries.append((group_index, param_index, self._filled))
+        self._filled += numel
+        if self._filled >= self.bucket_numel:
+            self._reduce_bucket()
 
     def flush(self) -> None:
-        """End of backward: reduce the slabs still open (gradients never produced count as zeros,
-        DeepSpeed's `ignore_unused_parameters`), in slab order so every rank issues the same calls."""
-        for group_index, group_slabs in enumerate(self.slabs):
-            for slab in group_slabs:
-                key = (group_index, slab.index)
-                if key not in self._launched and self.real_numel[group_index][slab.index] > 0:
-                    self._launch(group_index, slab.index)
+        """End of backward: reduce the open bucket and wait for every reduction. A parameter that
+        got no gradient is simply absent (DeepSpeed's `ignore_unused_parameters`)."""
+        if self._entries:
+            self._reduce_bucket()
         self.reducer.wait_all()
-        self._reset()
+        self._arrived.clear()
 
-    def _row(self, group_index: int, slab_index: int, dp_rank: int) -> torch.Tensor:
-        key = (group_index, slab_index)
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            slab = self.slabs[group_index][slab_index]
-            layout = self.layouts[group_index]
-            buffer = torch.zeros(layout.world_size, slab.numel, dtype=self.comm_dtype,
-                                 device=self.partitions[group_index].device)
-            self._buffers[key] = buffer
-        return buffer[dp_rank]
-
-    def _copy_piece(self, group_index: int, piece: SlabPiece, flat_grad: torch.Tensor) -> None:
-        row = self._row(group_index, piece.slab_index, piece.dp_rank)
-        row.narrow(0, piece.row_offset, piece.numel).copy_(flat_grad.narrow(0, piece.param_start, piece.numel))
-
-    def _launch(self, group_index: int, slab_index: int) -> None:
-        key = (group_index, slab_index)
-        self._launched.add(key)
-        if not self.contiguous_gradients:
-            self._copy_held(group_index, slab_index)
-        self._row(group_index, slab_index, 0)  # allocates a zero buffer if nothing arrived
-        rows = self._buffers.pop(key)
-        slab = self.slabs[group_index][slab_index]
-        dest = self.partitions[group_index].narrow(0, slab.offset, slab.numel)
-        self.reducer.reduce(rows.view(-1), dest, accumulate=True)
-
-    def _copy_held(self, group_index: int, slab_index: int) -> None:
-        for (held_group, param_index), flat in list(self._held.items()):
-            if held_group != group_index:
-                continue
-            pieces = self.pieces[group_index][param_index]
-            for piece in pieces:
-                if piece.slab_index == slab_index:
-                    self._copy_piece(group_index, piece, flat)
-            if all((group_index, p.slab_index) in self._launched for p in pieces):
-                del self._held[(held_group, param_index)]
+    def _reduce_bucket(self) -> None:
+        if self.contiguous_gradients:
+            assert self._buffer is not None
+            flat = self._buffer.narrow(0, 0, self._filled)
+        else:
+            flat = torch.cat(self._held).to(self.comm_dtype)
+        slices = []
+        for group_index, param_index, offset in self._entries:
+            for dp_rank, frag in self.owners[group_index][param_index]:
+                dest = None
+                if dp_rank == self.reducer.dp_rank:
+                    dest = self.partitions[group_index].narrow(0, frag.partition_start, frag.numel)
+                slices.append(OwnedSlice(dp_rank, offset + frag.param_start, frag.numel, dest))
+        self.reducer.reduce_to_owners(flat, slices)
+        self._open_bucket()

@@ -9,14 +9,14 @@ the buffer splits into `world_size` equal partitions: rank r owns flat elements
 parameter may straddle a partition boundary; the part of it a rank owns is a `Fragment`.
 
 [Note: slab buckets]
-Gradients are reduced in buckets whose reduction is a true equal-split reduce-scatter: bucket k
-(a `Slab`) covers the same partition offsets `[offset, offset + numel)` on every rank, so its
-reduce-scatter input is `world_size` rows of `numel` elements and rank r receives exactly the
-slice of its own partition. A bucket holds at most `reduce_bucket_size` elements in all rows
-together. Slabs are listed from the end of the partitions backwards because backward produces
-the last parameters' gradients first. The trade-off: a slab needs gradients from every
-partition, so at stage 2 it completes only once backward has reached rank 0's part of the model
-(see `grad_buckets.py`).
+A full flat gradient buffer (stage 1, at the boundary) is reduced in slabs whose reduction is a
+true equal-split reduce-scatter: slab k covers the same partition offsets `[offset, offset +
+numel)` on every rank, so its input is `world_size` rows of `numel` elements and rank r receives
+exactly the slice of its own partition; a slab holds at most `reduce_bucket_size` elements in all
+rows together. Stage 2 cannot use slabs: a slab needs gradients from every partition, and rank
+0's part of the model (the embedding, often tied and so finished last) arrives at the very end of
+backward, so every slab would wait for it. Stage 2 buckets gradients in the order backward
+produces them and routes each slice to its owner with `owner_fragments` (grad_buckets.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ __all__ = [
     "Fragment",
     "GroupLayout",
     "Slab",
-    "SlabPiece",
     "allgather_chunks",
     "build_layout",
-    "param_pieces",
+    "owner_fragments",
     "plan_slabs",
     "round_robin_order",
     "slab_real_numel",
@@ -118,17 +117,6 @@ class Slab:
     numel: int
 
 
-@dataclasses.dataclass(frozen=True)
-class SlabPiece:
-    """Part of one parameter's gradient that lands in one row (`dp_rank`) of one slab."""
-
-    slab_index: int
-    dp_rank: int
-    row_offset: int     # inside the slab's row
-    param_start: int    # inside the flattened parameter
-    numel: int
-
-
 def plan_slabs(partition_numel: int, world_size: int, bucket_numel: int) -> list[Slab]:
     """Split the partitions into slabs of at most `bucket_numel` elements (all rows), tail first."""
     if bucket_numel < 1:
@@ -142,21 +130,13 @@ def plan_slabs(partition_numel: int, world_size: int, bucket_numel: int) -> list
     return slabs
 
 
-def param_pieces(layout: GroupLayout, slabs: list[Slab]) -> list[list[SlabPiece]]:
-    """For each parameter (flat order), the slab rows its gradient is copied into."""
-    pieces: list[list[SlabPiece]] = [[] for _ in layout.param_numels]
+def owner_fragments(layout: GroupLayout) -> list[list[tuple[int, Fragment]]]:
+    """For each parameter (flat order), its `(dp_rank, fragment)` parts: who owns which slice."""
+    owners: list[list[tuple[int, Fragment]]] = [[] for _ in layout.param_numels]
     for dp_rank in range(layout.world_size):
         for fragment in layout.fragments(dp_rank):
-            frag_end = fragment.partition_start + fragment.numel
-            for slab in slabs:
-                lo = max(fragment.partition_start, slab.offset)
-                hi = min(frag_end, slab.offset + slab.numel)
-                if lo < hi:
-                    param_start = fragment.param_start + lo - fragment.partition_start
-                    pieces[fragment.param_index].append(
-                        SlabPiece(slab.index, dp_rank, lo - slab.offset, param_start, hi - lo))
-    assert all(sum(p.numel for p in ps) == n for ps, n in zip(pieces, layout.param_numels))
-    return pieces
+            owners[fragment.param_index].append((dp_rank, fragment))
+    return owners
 
 
 def slab_real_numel(layout: GroupLayout, slab: Slab) -> int:

@@ -8,11 +8,11 @@ only for 1/W of the model.
 
 - Stage 1: gradients accumulate, across micro-batches, into a full flat gradient buffer in
   `grad_accum_dtype` (a post-accumulate hook adds each `param.grad` and frees it); at the
-  boundary the buffer is reduced slab by slab (grad_buckets.py) so this rank's partition of it
+  boundary the buffer is reduced in slabs (grad_buckets.py) so this rank's partition of it
   holds the averaged gradients.
-- Stage 2: the hook hands each gradient to `GradientBuckets` as backward produces it; full slabs
-  are reduce-scattered (overlapped with backward under `overlap_comm`) and accumulated into a
-  gradient buffer of partition size only.
+- Stage 2: the hook hands each gradient to `GradientBuckets` as backward produces it; each full
+  bucket is reduced to the slices' owners (overlapped with backward under `overlap_comm`) and
+  accumulated into a gradient buffer of partition size only.
 
 `step()` checks overflow across ranks, takes the global norm of the partitioned gradients,
 unscales and clips, runs the base optimizer on the partitions, copies masters into the flat lp
@@ -37,7 +37,7 @@ from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.zero.grad_buckets import GradientBuckets, SlabReducer, reduce_flat_gradients
+from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.partition import (
     GroupLayout,
     Slab,
@@ -134,14 +134,14 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                           layout.padding_in_partition(self.dp_rank))
 
     def _init_reduction(self) -> None:
-        self.reducer = SlabReducer(self.dp_process_group, self.precision, self.settings.reduce_scatter,
+        self.reducer = GradReducer(self.dp_process_group, self.precision, self.settings.reduce_scatter,
                                    self.settings.overlap_comm)
         self.buckets = None
         if self.partition_gradients:
-            self.buckets = GradientBuckets([g.layout for g in self.groups], [g.slabs for g in self.groups],
-                                           [g.grads for g in self.groups], self.reducer,
-                                           self.precision.communication_dtype,
-                                           self.settings.contiguous_gradients)
+            self.buckets = GradientBuckets(
+                [g.layout for g in self.groups], [g.grads for g in self.groups], self.reducer,
+                self.precision.communication_dtype, self.settings.reduce_bucket_size,
+                self.settings.contiguous_gradients)
         self._param_slot = {param: (gi, pi) for gi, g in enumerate(self.groups)
                             for pi, param in enumerate(g.params)}
         self._hook_handles = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
