@@ -154,3 +154,84 @@ def test_hf_llama_under_zero_init_equals_stage0(world_size, gas, clip):
 def test_clipping_is_active_in_the_clipped_cases():
     results = run_on_ranks(_parity, 2, "gpt", 2, 1, 0.0)
     assert results[0][4] > 0.5
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+VARIANTS = {  # name: (top-level config, zero_optimization extras, model tweak, losses rtol, params rtol)
+    "frozen_and_param_groups": ({}, {}, "freeze_wpe_groups", 1e-6, 1e-6),
+    "sub_groups_no_overlap": ({}, {"sub_group_size": 1000, "overlap_comm": False}, None, 1e-6, 1e-6),
+    "bf16": ({"bf16": {"enabled": True}}, {}, None, 2e-2, None),
+    "fp16": ({"fp16": {"enabled": True, "initial_scale_power": 8}}, {}, None, 2e-2, None),
+}
+
+
+def _variant(name):
+    world_size, gas = 2, 2
+    extra, zero_extra, tweak, _, _ = VARIANTS[name]
+    batches = _batches(4)
+    results = []
+    for stage in (0, 3):
+        model = build_model("gpt")
+        config = _config(stage, gas, world_size, 0.5, {**zero_extra} if stage == 3 else None, **extra)
+        params = None
+        if tweak == "freeze_wpe_groups":
+            model.wpe.weight.requires_grad_(False)
+            params = _groups(model)
+        rank = torch.distributed.get_rank()
+        engine, *_ = zerospeed.initialize(model=model, config=config, model_parameters=params)
+        micro = GLOBAL_BATCH // (gas * world_size)
+        losses = []
+        for tokens in batches:
+            for k in range(gas):
+                start = (k * world_size + rank) * micro
+                loss = _forward(engine, tokens[start:start + micro], "gpt")
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        results.append((losses, {n: p.float() for n, p in full_params(engine).items()}))
+    if tweak == "freeze_wpe_groups":
+        assert len(engine.optimizer.param_groups) == 2
+        assert torch.equal(results[1][1]["wpe.weight"], build_model("gpt").wpe.weight.detach())
+    return results
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_stage3_variants_equal_stage0(name):
+    _, _, _, losses_rtol, params_rtol = VARIANTS[name]
+    for (losses0, params0), (losses3, params3) in run_on_ranks(_variant, 2, name):
+        assert_close_relative(torch.tensor(losses3), torch.tensor(losses0), losses_rtol, "losses")
+        if params_rtol is not None:
+            _assert_parity([(losses0, losses3, params0, params3, None)], params_rtol=params_rtol)
+
+
+def _resume(tmp_dir):
+    world_size, batches = 2, _batches(5)
+    config = _config(3, 1, world_size, 0.0, {"param_persistence_threshold": 64})
+    straight, _ = train(build_model("gpt"), config, world_size, 1, batches)
+    first, _ = train(build_model("gpt"), config, world_size, 1, batches[:3])
+    state = first.optimizer.state_dict()
+    torch.save(state, f"{tmp_dir}/optim_{torch.distributed.get_rank()}.pt")
+    loaded = torch.load(f"{tmp_dir}/optim_{torch.distributed.get_rank()}.pt", weights_only=False)
+    second, _ = train(build_model("gpt", seed=5), config, world_size, 1, [])
+    second.optimizer.load_state_dict(loaded)
+    rank, micro = torch.distributed.get_rank(), GLOBAL_BATCH // world_size
+    for tokens in batches[3:]:
+        second.backward(_forward(second, tokens[rank * micro:(rank + 1) * micro], "gpt"))
+        second.step()
+    keys = sorted(state)
+    fp32_numels = [t.numel() for t in state["fp32_flat_groups"]]
+    return keys, fp32_numels, full_params(straight), full_params(second), state["partition_count"]
+
+
+def test_state_dict_round_trip_resumes_exactly(tmp_path):
+    for keys, fp32_numels, expected, resumed, partition_count in run_on_ranks(_resume, 2, str(tmp_path)):
+        assert {"zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count",
+                "optimizer_state_dict", "fp32_flat_groups", "ds_version"} <= set(keys)
+        assert partition_count == 2 and len(fp32_numels) == 1
+        for name, value in expected.items():
+            assert torch.equal(resumed[name], value), name
