@@ -23,7 +23,7 @@ def _run(save_dir, first, second, crash_at=None, load=False):
     if crash_at:
         env[CRASH_ENV] = crash_at
     args = [sys.executable, SCRIPT, str(save_dir), first, second] + (["load"] if load else [])
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _assert_loadable(save_dir, expected_tag):

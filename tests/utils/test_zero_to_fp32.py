@@ -86,7 +86,7 @@ def _check(state, full, frozen, exclude_frozen=False, tied=True):
     assert "scratch" not in state
 
 
-@pytest.fixture(scope="module", params=[(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16")],
+@pytest.fixture(scope="module", params=[(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32")],
                 ids=lambda p: f"stage{p[0]}-{p[1]}")
 def saved(request, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("ckpt")
@@ -185,7 +185,7 @@ def _train_gpt2(stage, save_dir):
 def test_hf_gpt2_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    logits = run_on_ranks(_train_gpt2, 2, 2, str(tmp_path))[0]
+    logits = run_on_ranks(_train_gpt2, 2, 3, str(tmp_path))[0]
     z.convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path), str(tmp_path / "hf"), safe_serialization=True)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():

@@ -48,7 +48,7 @@ def _param_shapes(engine: Any) -> list[OrderedDict[str, torch.Size]]:
 def _frozen(engine: Any) -> tuple[OrderedDict[str, torch.Size], dict[str, torch.Tensor]]:
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
     return (OrderedDict((n, p.shape) for n, p in frozen),
-            {n: p.detach().cpu() for n, p in frozen})
+            {n: getattr(p, "ds_tensor", p).detach().cpu() for n, p in frozen})
 
 
 def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
@@ -89,3 +89,17 @@ def build_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen
     }
     state.update(client_state)
     return state
+
+
+def to_plain(obj: Any) -> Any:
+    """Enums (e.g. a wrapper's `ZeroStageEnum`) become their values, so files stay weights-only loadable."""
+    import enum
+
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return type(obj)((k, to_plain(v)) for k, v in obj.items()) if isinstance(obj, OrderedDict) else {
+            k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(to_plain(v) for v in obj)
+    return obj

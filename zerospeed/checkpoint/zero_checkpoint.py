@@ -60,6 +60,8 @@ def trainable_names_per_group(engine: Any) -> list[list[str]]:
     wrapper = engine.optimizer
     if hasattr(wrapper, "bit16_groups"):
         return [[engine.param_names[p] for p in group] for group in wrapper.bit16_groups]
+    if hasattr(wrapper, "fp16_groups"):   # stage 3: one list per sub-group
+        return [[engine.param_names[p] for p in group] for group in wrapper.fp16_groups]
     return [[names[i] for i, t in enumerate(trainable) if t]
             for names, trainable in zip(*stage0_param_names(engine))]
 
@@ -88,8 +90,6 @@ def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
 def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str, Any],
                          load_optimizer_states: bool) -> None:
     stage, dp_rank = engine.zero_optimization_stage(), _dp_rank(engine)
-    if stage >= 3:
-        raise NotImplementedError("ZeRO-3 checkpoint loading lands with stage3.py")
     if not load_optimizer_states:
         _restore_from_module(engine)
         return
@@ -102,6 +102,10 @@ def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str,
             own = load_file(saved.optim_files[dp_rank])[C.OPTIMIZER_STATE_DICT]
             engine.optimizer.load_state_dict(own, load_optimizer_states=True)
         return
+    if stage >= 3 or saved.zero_stage >= 3:
+        raise NotImplementedError(f"resharding ZeRO-3 checkpoints is not implemented yet (saved: stage "
+                                  f"{saved.zero_stage} on {saved.dp_world_size} ranks; this run: stage {stage} "
+                                  f"on {engine.dp_world_size})")
     import_full_state(engine, export_full_state(saved, model_state), load_optimizer_states=True)
 
 

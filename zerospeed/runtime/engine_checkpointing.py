@@ -19,7 +19,7 @@ from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import CheckpointTransaction, resolve_tag_dir
 from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
-from zerospeed.checkpoint.model_states import build_model_states
+from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state
 from zerospeed.utils.logging import logger
 
@@ -41,10 +41,10 @@ class EngineCheckpointing:
         transaction = CheckpointTransaction(save_dir, tag, self.dp_group).begin()
         if stage >= 3 or dp_rank == 0:
             model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
-            transaction.write(model_states_name(stage, dp_rank), model_states)
+            transaction.write(model_states_name(stage, dp_rank), to_plain(model_states))
         if stage >= 1:
             transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
-                C.OPTIMIZER_STATE_DICT: self.optimizer.state_dict(),
+                C.OPTIMIZER_STATE_DICT: to_plain(self.optimizer.state_dict()),
                 C.DS_CONFIG: self._config._param_dict,
                 C.DS_VERSION: model_states_version()})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
