@@ -1,0 +1,256 @@
+"""Side-by-side training benchmark: zerospeed and its peers on the same model, data and optimizer.
+
+Each (system, stage) runs in fresh processes (so peak RSS is its own), 2 ranks x 1 thread over
+gloo, file rendezvous. Rounds alternate the systems so machine noise hits all of them alike.
+Measured per run: median step wall time and process CPU time (slowest rank), peak RSS per rank,
+payload bytes communicated per step per rank, and the final loss.
+
+Bytes: zerospeed through its comms logger; DDP through a comm hook that counts each bucket;
+FSDP2 and DeepSpeed by counting the torch.distributed tensor collectives they call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+MODELS = {  # GPT-2-style, byte-level, tied LM head
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128, block_size=128),
+    "small": dict(n_layer=9, n_head=8, n_embd=256, block_size=256),
+    "medium": dict(n_layer=8, n_head=8, n_embd=704, block_size=256),
+}
+
+
+@dataclasses.dataclass
+class RunSpec:
+    system: str            # zerospeed | ddp | fsdp2 | deepspeed
+    stage: int = 0
+    dtype: str = "fp32"    # fp32 | bf16
+    model: str = "small"
+    steps: int = 12
+    warmup: int = 3
+    micro_batch: int = 4
+    world_size: int = 2
+
+    @property
+    def label(self) -> str:
+        return f"{self.system}" + (f"-z{self.stage}" if self.system in ("zerospeed", "deepspeed") else "") + \
+            ("" if self.dtype == "fp32" else f"-{self.dtype}")
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    step_s: float
+    cpu_s: float
+    peak_rss_mib: float
+    comm_mib_per_step: float
+    final_loss: float
+
+
+# --- byte counting for peers ---------------------------------------------------------------------
+
+class _CollectiveCounter:
+    """Counts payload bytes of torch.distributed tensor collectives (patched module attributes)."""
+
+    NAMES = {"all_reduce": 0, "all_gather_single": 1, "all_gather_into_tensor": 0, "_all_gather_base": 0,
+             "reduce_scatter_single": 1, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,
+             "broadcast": 0}
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.active = False
+
+    def install(self) -> None:
+        for name, arg_index in self.NAMES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(original, arg_index))
+
+    def _wrap(self, fn: Any, arg_index: int) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.active and len(args) > arg_index and torch.is_tensor(args[arg_index]):
+                tensor = args[arg_index]
+                self.bytes += tensor.numel() * tensor.element_size()
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _ddp_counting_hook(counter: _CollectiveCounter) -> Any:
+    def hook(state: Any, bucket: Any) -> torch.futures.Future:
+        tensor = bucket.buffer()
+        if counter.active:
+            counter.bytes += tensor.numel() * tensor.element_size()
+        tensor.div_(dist.get_world_size())
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    # DDP checks the annotations themselves (strings under `from __future__ import annotations`).
+    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    return hook
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+def _batches(spec: RunSpec, rank: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from gpt import ByteWindows, stdlib_bytes
+
+    dataset = ByteWindows(stdlib_bytes(2_000_000), block_size)
+    batches = []
+    for step in range(spec.steps):
+        start = (step * spec.world_size + rank) * spec.micro_batch
+        rows = [dataset[i] for i in range(start, start + spec.micro_batch)]
+        batches.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
+    return batches
+
+
+def _ds_config(spec: RunSpec) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                                   "torch_adam": True}},
+        "gradient_clipping": 0.0, "zero_optimization": {"stage": spec.stage},
+    }
+    if spec.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter) -> tuple[Any, Any, Any]:
+    """(forward_fn, backward_fn, step_fn) for the system under test."""
+    if spec.system == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, _ddp_counting_hook(counter))
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        autocast = spec.dtype == "bf16"
+
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                return ddp(x, y)
+
+        return forward, lambda loss: loss.backward(), lambda: (optimizer.step(), optimizer.zero_grad())
+    if spec.system == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if spec.dtype == "bf16" else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        counter.install()
+        return model, lambda loss: loss.backward(), lambda: (optimizer.step(), optimizer.zero_grad())
+    if spec.system == "zerospeed":
+        import zerospeed
+
+        config = _ds_config(spec)
+        config["comms_logger"] = {"enabled": True}
+        engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+        return engine, engine.backward, engine.step
+    if spec.system == "deepspeed":
+        import deepspeed
+
+        counter.install()
+        engine, _, _, _ = deepspeed.initialize(model=model, config=_ds_config(spec))
+        return engine, engine.backward, engine.step
+    raise ValueError(spec.system)
+
+
+def _comm_bytes(spec: RunSpec, counter: _CollectiveCounter) -> int:
+    if spec.system == "zerospeed":
+        from zerospeed.comm import comms_logger
+
+        return sum(r.msg_bytes for r in comms_logger.records if r.op != "barrier")
+    return counter.bytes
+
+
+def _reset_comm(spec: RunSpec, counter: _CollectiveCounter, active: bool) -> None:
+    counter.bytes, counter.active = 0, active
+    if spec.system == "zerospeed":
+        from zerospeed.comm import comms_logger
+
+        comms_logger.reset()
+
+
+def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ZS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=spec.world_size)
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(**MODELS[spec.model])
+    model = GPT(config)
+    counter = _CollectiveCounter()
+    forward, backward, step = _build(spec, model, counter)
+    step_times, cpu_times, loss = [], [], torch.zeros(())
+    for index, (x, y) in enumerate(_batches(spec, rank, config.block_size)):
+        measured = index >= spec.warmup
+        if index == spec.warmup:
+            _reset_comm(spec, counter, active=True)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        loss = forward(x, y)
+        backward(loss)
+        step()
+        if measured:
+            step_times.append(time.perf_counter() - wall0)
+            cpu_times.append(time.process_time() - cpu0)
+    measured_steps = spec.steps - spec.warmup
+    comm_per_step = _comm_bytes(spec, counter) / measured_steps
+    counter.active = False
+    stats = torch.tensor([statistics.median(step_times), statistics.median(cpu_times),
+                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, comm_per_step,
+                          float(loss.float().item())], dtype=torch.float64)
+    gathered = [torch.zeros_like(stats) for _ in range(spec.world_size)]
+    dist.all_gather(gathered, stats)
+    if rank == 0:
+        table = torch.stack(gathered)
+        results.put(RunResult(spec.label, float(table[:, 0].max()), float(table[:, 1].max()),
+                              float(table[:, 2].max()), float(table[:, 3].max()) / 2**20,
+                              float(table[:, 4].mean())))
+        results.close()
+        results.join_thread()  # flush the queue's feeder thread before os._exit
+    dist.barrier()
+    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit; peer-figures.md)
+
+
+def run(spec: RunSpec) -> RunResult:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="zs-bench-") as tmp:
+        processes = [context.Process(target=_worker, args=(rank, spec, os.path.join(tmp, "rdzv"), results))
+                     for rank in range(spec.world_size)]
+        for process in processes:
+            process.start()
+        result = _wait_for_result(results, processes, spec)
+        for process in processes:
+            process.join(timeout=60)
+    return result
+
+
+def _wait_for_result(results: Any, processes: list[Any], spec: RunSpec) -> RunResult:
+    import queue
+
+    while True:
+        try:
+            return results.get(timeout=2.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in processes if not p.is_alive() and p.exitcode != 0]
+            if dead or not any(p.is_alive() for p in processes):
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"{spec.label}: ranks exited ({dead or 'cleanly'}) without a result")
