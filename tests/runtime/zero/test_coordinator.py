@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
-
-import zerospeed
 from distributed import run_on_ranks
 from parity import assert_close_relative, global_batches, micro_batch
 
+import zerospeed
+
 sys.path.insert(0, os.path.dirname(__file__))
-from test_stage3 import _batches, _config, build_model, train  # noqa: E402
+from test_stage3 import _batches, _config, build_model, train
 
 STEPS, BATCH = 6, 8
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from zerospeed.runtime.zero.param_state import (
+    IllegalTransitionError,
     PartitionedParameter,
     ZeroParameter,
     ZeroParamState,
@@ -14,7 +15,6 @@ from zerospeed.runtime.zero.param_state import (
     set_status,
     set_strict,
 )
-from zerospeed.runtime.zero.param_state import IllegalTransitionError
 from zerospeed.runtime.zero.stage3 import plan_sub_groups
 
 NA, INFLIGHT, AV = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 import torch
-
-import zerospeed
 from distributed import run_on_ranks
 from parity import assert_close_relative
+
+import zerospeed
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 

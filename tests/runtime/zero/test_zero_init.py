@@ -5,12 +5,12 @@ import sys
 
 import pytest
 import torch
-
-import zerospeed
 from distributed import run_on_ranks
 
+import zerospeed
+
 sys.path.insert(0, os.path.dirname(__file__))
-from test_stage3 import build_model  # noqa: E402
+from test_stage3 import build_model
 
 
 def _built_under_init(kind):

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PartitionedParameter",
     "ZeroParamState",
     "ZeroParamStatus",
     "ZeroParamType",
-    "PartitionedParameter",
     "ZeroParameter",
     "attach_state",
     "is_zero_param",

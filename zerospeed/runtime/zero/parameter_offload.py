@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, is_zero_param, set_persist, set_strict
+from zerospeed.runtime.zero.param_state import (
+    ZeroParameter,
+    ZeroParamStatus,
+    is_zero_param,
+    set_persist,
+    set_strict,
+)
 from zerospeed.runtime.zero.partition_parameters import (
     convert_to_zero_param,
     external_parameters,
@@ -74,7 +80,7 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 class _ZeroParamDict(dict):
     """`module._parameters` at stage 3: see [Note: reads of a partitioned parameter]."""
 
-    offload: "DeepSpeedZeRoOffload"
+    offload: DeepSpeedZeRoOffload
 
     def __getitem__(self, name: str) -> Any:
         param = super().__getitem__(name)
@@ -85,7 +91,7 @@ class _ZeroParamDict(dict):
 
 class _PreBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, offload: "DeepSpeedZeRoOffload", module: torch.nn.Module,
+    def forward(ctx: Any, offload: DeepSpeedZeRoOffload, module: torch.nn.Module,
                 *tensors: torch.Tensor) -> Any:
         ctx.offload, ctx.module = offload, module
         return tuple(t.detach() for t in tensors)
@@ -98,7 +104,7 @@ class _PreBackward(torch.autograd.Function):
 
 class _PostBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, offload: "DeepSpeedZeRoOffload", module: torch.nn.Module,
+    def forward(ctx: Any, offload: DeepSpeedZeRoOffload, module: torch.nn.Module,
                 *tensors: torch.Tensor) -> Any:
         ctx.offload, ctx.module = offload, module
         return tuple(t.detach() for t in tensors)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -100,7 +100,7 @@ class GatherHandle:
         self._output = None
 
 
-def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) -> "MultiGatherHandle":
+def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) -> MultiGatherHandle:
     """Start gathering the NOT_AVAILABLE ones among `params` (one collective per dtype)."""
     todo = sorted({id(p): p for p in params if is_zero_param(p)
                    and p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE}.values(),
@@ -214,7 +214,7 @@ class GatheredParameters:
                                    "by the coordinator; nested use during forward is not supported")
         gather_params(self._gathered).wait()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         if self.modifier_rank is not None:
@@ -283,7 +283,7 @@ class Init:
         if self.group is None:
             self.group = comm.get_world_group()
 
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Self:
         if not self.enabled:
             return self
         self._ensure_dist()
@@ -309,7 +309,7 @@ class Init:
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         if self._original_init_subclass is None:

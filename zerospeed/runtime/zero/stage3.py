@@ -74,7 +74,7 @@ class _InFlight:
     params: list[ZeroParameter]
 
 
-class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):  # noqa: N801 - DeepSpeed's name
+class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None) -> None:
