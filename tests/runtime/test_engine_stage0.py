@@ -63,3 +63,28 @@ def test_clipping_is_active_in_the_clipped_cases():
 def test_averaging_variants_and_small_buckets_give_the_same_result(extra):
     results = run_on_ranks(_train, 2, 2, 2, "AdamW", 0.0, extra)
     _check_against_reference(results, 2, 2, "AdamW", 0.0, rtol=1e-5)
+
+
+def _comm_records_of_one_step(bucket_numel):
+    from zerospeed.comm import comms_logger
+
+    config = {"train_batch_size": GLOBAL_BATCH, "optimizer": ds_optimizer_block("AdamW", LR, WEIGHT_DECAY),
+              "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket_numel},
+              "comms_logger": {"enabled": True}}
+    engine, _, _, _ = zerospeed.initialize(model=make_model(), config=config)
+    comms_logger.reset()
+    x, y = micro_batch(global_batches(1, GLOBAL_BATCH)[0], 0, torch.distributed.get_rank(), GLOBAL_BATCH // 2, 2)
+    engine.backward(engine(x, y))
+    engine.step()
+    records = [(r.op, r.msg_bytes, r.async_op) for r in comms_logger.records]
+    comms_logger.configure(enabled=False)
+    comms_logger.reset()
+    return records, sum(p.numel() for p in engine.module.parameters())
+
+
+def test_gradients_are_all_reduced_once_in_async_buckets_during_backward():
+    records, num_params = run_on_ranks(_comm_records_of_one_step, 2, 200)[0]
+    all_reduces = [r for r in records if r[0] == "all_reduce"]
+    assert sum(r[1] for r in all_reduces) == 4 * num_params       # fp32 gradients, once
+    assert all(r[2] for r in all_reduces)                          # launched asynchronously
+    assert len(all_reduces) >= num_params // 200                   # in buckets of <= 200 elements

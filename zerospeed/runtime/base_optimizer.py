@@ -5,6 +5,7 @@ The engine owns sequencing (micro-steps, accumulation boundaries, the scheduler,
 wrapper owns the tensors (low-precision params, gradients, fp32 masters, optimizer state) and all
 gradient communication. Per micro-batch the engine calls
 
+    wrapper.prepare_backward(will_reduce=is_boundary and not inside no_sync)
     scaled = wrapper.scale_loss(loss / gradient_accumulation_steps)
     scaled.backward()
     wrapper.backward_epilogue(is_boundary)       # skipped inside engine.no_sync()
@@ -70,6 +71,10 @@ class DeepSpeedOptimizer(abc.ABC):
         return self._global_grad_norm
 
     # --- the contract -----------------------------------------------------------------------
+    def prepare_backward(self, will_reduce: bool) -> None:
+        """Before each micro-batch's backward: whether its epilogue will reduce (the boundary, outside
+        no_sync), so a wrapper can start reducing from gradient hooks while backward runs."""
+
     @abc.abstractmethod
     def backward_epilogue(self, is_boundary: bool) -> None:
         """After each micro-batch's backward: reduce / accumulate the gradients it produced."""

@@ -4,44 +4,27 @@ The same wrapper serves fp32, fp16 and bf16. In low precision the module holds f
 parameters and the base optimizer holds one fp32 master per trainable parameter (the param
 groups are re-pointed at the masters), so the update happens in fp32 and is copied back.
 Gradients accumulate across micro-batches in `grad_accum_dtype`: in the parameters' own `.grad`
-when that is the model dtype, else in a separate buffer per parameter filled after each backward.
+when that is the model dtype, else in a separate buffer per parameter filled by its gradient hook.
+On the boundary micro-batch the hooks also start the bucketed all-reduce while backward runs
+([Note: overlapped all-reduce] in overlapped_allreduce.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from zerospeed import comm
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
-from zerospeed.runtime.precision import PrecisionSettings, average_in_place
-from zerospeed.utils.logging import logger
+from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
+from zerospeed.runtime.precision import PrecisionSettings
 
 
 def trainable_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-
-
-def bucket_by_numel(tensors: list[torch.Tensor], bucket_numel: int) -> list[list[int]]:
-    """Indices of `tensors` grouped, in order, into runs of one dtype with at most `bucket_numel`
-    elements (a tensor larger than the bucket is a bucket of its own)."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    current_numel = 0
-    for index, tensor in enumerate(tensors):
-        same_dtype = not current or tensors[current[0]].dtype == tensor.dtype
-        if current and (not same_dtype or current_numel + tensor.numel() > bucket_numel):
-            buckets.append(current)
-            current, current_numel = [], 0
-        current.append(index)
-        current_numel += tensor.numel()
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class DataParallelOptimizer(DeepSpeedOptimizer):
@@ -56,6 +39,10 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
+        self._reducer = OverlappedAllReduce(len(self._lp_params), reduce_bucket_size, dp_group, precision)
+        self._reduce_in_backward = False
+        for index, param in enumerate(self._lp_params):
+            param.register_post_accumulate_grad_hook(self._grad_hook(index))
 
     def _init_fp32_masters(self) -> list[torch.Tensor]:
         """Replace each trainable param in the optimizer's groups by an fp32 copy (its master)."""
@@ -75,51 +62,47 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
     def _separate_accumulation(self) -> bool:
         return self.precision.grad_accum_dtype != self.precision.param_dtype
 
-    def backward_epilogue(self, is_boundary: bool) -> None:
-        if self._separate_accumulation:
-            self._move_grads_to_accumulators()
-        if is_boundary:
-            self._allreduce_gradients()
+    def prepare_backward(self, will_reduce: bool) -> None:
+        self._reduce_in_backward = will_reduce
 
-    def _move_grads_to_accumulators(self) -> None:
-        for index, param in enumerate(self._lp_params):
-            if param.grad is None:
-                continue
-            grad = param.grad.to(self.precision.grad_accum_dtype)
-            acc = self._accum_grads[index]
-            self._accum_grads[index] = grad if acc is None else acc.add_(grad)
-            param.grad = None
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def on_grad_ready(param: torch.Tensor) -> None:
+            if self._separate_accumulation:
+                self._move_grad_to_accumulator(index, param)
+            if self._reduce_in_backward:
+                self._reducer.add(index, self._gradient(index))
+
+        return on_grad_ready
+
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        if is_boundary:
+            self._reducer.finish(self._gradient)
+        self._reduce_in_backward = False
+
+    def _move_grad_to_accumulator(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad.to(self.precision.grad_accum_dtype)
+        acc = self._accum_grads[index]
+        self._accum_grads[index] = grad if acc is None else acc.add_(grad)
+        param.grad = None
+
+    def _gradient(self, index: int) -> torch.Tensor:
+        """The accumulated gradient of trainable param `index` (zeros where none was produced, so
+        every rank reduces the same sizes)."""
+        param = self._lp_params[index]
+        grad = self._accum_grads[index] if self._separate_accumulation else param.grad
+        if grad is None:
+            grad = torch.zeros_like(param, dtype=self.precision.grad_accum_dtype)
+            self._store_grad(index, grad)
+        return grad
 
     def _gradients(self) -> list[torch.Tensor]:
-        """The accumulated gradient of every trainable param (zeros where none was produced, so
-        every rank reduces the same sizes)."""
-        grads = []
-        for index, param in enumerate(self._lp_params):
-            holder_grad = self._accum_grads[index] if self._separate_accumulation else param.grad
-            if holder_grad is None:
-                holder_grad = torch.zeros_like(param, dtype=self.precision.grad_accum_dtype)
-                self._store_grad(index, holder_grad)
-            grads.append(holder_grad)
-        return grads
+        return [self._gradient(index) for index in range(len(self._lp_params))]
 
     def _store_grad(self, index: int, grad: torch.Tensor) -> None:
         if self._separate_accumulation:
             self._accum_grads[index] = grad
         else:
             self._lp_params[index].grad = grad
-
-    def _allreduce_gradients(self) -> None:
-        grads = self._gradients()
-        world_size = comm.get_world_size(self.dp_group)
-        comm_dtype = self.precision.communication_dtype
-        for bucket in bucket_by_numel(grads, self.reduce_bucket_size):
-            bucket_grads = [grads[i] for i in bucket]
-            flat = _flatten_dense_tensors(bucket_grads)
-            flat = flat.to(comm_dtype) if flat.dtype != comm_dtype else flat
-            average_in_place(flat, world_size, self.precision,
-                             lambda t: comm.all_reduce(t, group=self.dp_group))
-            for grad, reduced in zip(bucket_grads, _unflatten_dense_tensors(flat, bucket_grads)):
-                grad.copy_(reduced)
 
     # --- the step -----------------------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
@@ -194,6 +177,3 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 
-
-def log_skipped_step(global_step: int, loss_scale: float) -> None:
-    logger.warning("Skipped step %d: gradients overflowed (inf/nan); loss scale now %s", global_step, loss_scale)

@@ -149,6 +149,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         self.monitoring.record_loss(loss.detach())
+        self.optimizer.prepare_backward(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         self.monitoring.start("bwd_inner")
         self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
         self.monitoring.stop("bwd_inner")

@@ -30,7 +30,7 @@ class PrecisionSettings:
         return self.param_dtype != torch.float32
 
     @classmethod
-    def from_config(cls, config: Any) -> "PrecisionSettings":
+    def from_config(cls, config: Any) -> PrecisionSettings:
         if config.fp16_enabled:
             param_dtype, check_overflow = torch.float16, True
         elif config.bf16_enabled:
@@ -49,22 +49,26 @@ class PrecisionSettings:
         )
 
 
-def average_in_place(flat: torch.Tensor, world_size: int, settings: PrecisionSettings, reduce: Any) -> None:
-    """Reduce `flat` with `reduce(tensor)` (a sum collective) under DeepSpeed's averaging rules (§3.9).
+def averaging_factors(settings: PrecisionSettings, world_size: int) -> tuple[float, float]:
+    """(before, after) multipliers around a sum reduction under DeepSpeed's averaging rules (§3.9).
 
-    Postscale (default): multiply by 1/f before, f/W after (f = gradient_predivide_factor);
-    prescale: 1/W before. `gradient_average=False` is a plain sum.
+    Postscale (default): 1/f before, f/W after (f = gradient_predivide_factor); prescale: 1/W
+    before; `gradient_average=False`: a plain sum. Split in two so an asynchronous reduction can
+    apply the second factor after `wait()`.
     """
     if not settings.gradient_average:
-        reduce(flat)
-        return
+        return 1.0, 1.0
     if settings.prescale_gradients:
-        flat.mul_(1.0 / world_size)
-        reduce(flat)
-        return
+        return 1.0 / world_size, 1.0
     factor = settings.gradient_predivide_factor
-    if factor != 1.0:
-        flat.mul_(1.0 / factor)
+    return 1.0 / factor, (factor / world_size if factor != world_size else 1.0)
+
+
+def average_in_place(flat: torch.Tensor, world_size: int, settings: PrecisionSettings, reduce: Any) -> None:
+    """Reduce `flat` with `reduce(tensor)` (a synchronous sum collective) and average it."""
+    before, after = averaging_factors(settings, world_size)
+    if before != 1.0:
+        flat.mul_(before)
     reduce(flat)
-    if factor != world_size:
-        flat.mul_(factor / world_size)
+    if after != 1.0:
+        flat.mul_(after)
