@@ -398,3 +398,14 @@ def _bf16_engine_train():
         engine.step()
         losses.append(loss.float().item())
     return losses
+
+
+def _ignored_option_warns():
+    from zerospeed.runtime.config_utils import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match="elastic_checkpoint"):
+        _build(1, elastic_checkpoint=True)
+
+
+def test_an_unimplemented_option_warns():
+    run_on_ranks(_ignored_option_warns, 1)

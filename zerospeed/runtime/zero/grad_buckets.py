@@ -26,6 +26,7 @@ all ranks issue the same collectives.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -101,20 +102,22 @@ class GradReducer:
         if not self.use_reduce_scatter:
             handle = comm.all_reduce(flat, group=self.group, async_op=self.overlap_comm)
             received, starts = flat, [s.bucket_offset for s in mine]
-            reduce_copies = False
+            reduce_copies, mine_numel = False, 0
         else:
             by_owner = sorted(slices, key=lambda s: s.dp_rank)          # stable: bucket order per owner
             send = torch.cat([flat.narrow(0, s.bucket_offset, s.numel) for s in by_owner])
-            send_splits = [sum(s.numel for s in slices if s.dp_rank == r) for r in range(self.world_size)]
+            send_splits = [0] * self.world_size
+            for owned in slices:
+                send_splits[owned.dp_rank] += owned.numel
             mine_numel = send_splits[self.dp_rank]
             received = torch.empty(self.world_size * mine_numel, dtype=flat.dtype, device=flat.device)
             handle = comm.all_to_all_single(received, send, [mine_numel] * self.world_size, send_splits,
                                             group=self.group, async_op=self.overlap_comm)
-            starts = [sum(s.numel for s in mine[:k]) for k in range(len(mine))]
+            starts = list(itertools.accumulate((s.numel for s in mine), initial=0))[:-1]
             flat, reduce_copies = send, True
 
         def finish() -> None:
-            summed = received.view(self.world_size, -1).sum(dim=0) if reduce_copies else received
+            summed = received.view(self.world_size, mine_numel).sum(dim=0) if reduce_copies else received
             for owned, start in zip(mine, starts):
                 assert owned.dest is not None
                 owned.dest.add_(self._scale(summed.narrow(0, start, owned.numel), self.after))

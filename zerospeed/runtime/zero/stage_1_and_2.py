@@ -34,6 +34,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
@@ -86,6 +87,20 @@ class _ZeroSettings:
         return cls(**values)
 
 
+# Keys DeepSpeed's stage 1/2 honours that this implementation does not (value that is a no-op here).
+_NOT_IMPLEMENTED = {"offload_optimizer": None, "elastic_checkpoint": False, "parameter_alignment": False,
+                    "zero_quantized_gradients": False, "zero_quantized_weights": False,
+                    "zero_hpz_partition_size": 1}
+
+
+def _warn_ignored(zero_config: Any) -> None:
+    for key, inert in _NOT_IMPLEMENTED.items():
+        value = getattr(zero_config, key, inert)
+        if value != inert:
+            warn_config(f"zero_optimization.{key}={value!r} is not implemented for ZeRO stages 1 and 2 "
+                        "and is ignored")
+
+
 class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
@@ -93,6 +108,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
         self.precision = precision
         self.settings = _ZeroSettings.from_config(zero_config)
+        _warn_ignored(zero_config)
         self.dp_process_group = dp_group
         self.dp_rank = comm.get_rank(dp_group)
         self.dp_world_size = comm.get_world_size(dp_group)
