@@ -33,23 +33,12 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
-__all__ = ["GradientBuckets", "OwnedSlice", "GradReducer", "averaging_factors", "reduce_flat_gradients"]
+__all__ = ["GradReducer", "GradientBuckets", "OwnedSlice", "reduce_flat_gradients"]
 
 _MAX_IN_FLIGHT = 2
-
-
-def averaging_factors(settings: PrecisionSettings, world_size: int) -> tuple[float, float]:
-    """(before, after) multipliers around a sum reduction: the rules of `average_in_place` (§3.9),
-    split so an asynchronous reduction can apply the second one after `wait()`."""
-    if not settings.gradient_average:
-        return 1.0, 1.0
-    if settings.prescale_gradients:
-        return 1.0 / world_size, 1.0
-    factor = settings.gradient_predivide_factor
-    return 1.0 / factor, (factor / world_size if factor != world_size else 1.0)
 
 
 @dataclasses.dataclass
