@@ -29,8 +29,10 @@ if mode == "env":
     dist.all_reduce(total)
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "CROSS_RANK", "CROSS_SIZE"]
-    print("RESULT " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:],
-                                  "sum": total.item()}), flush=True)
+    result = {"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:], "sum": total.item()}
+    # One write per line: the ranks share the launcher's stdout, and print() writes "\n" separately.
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 elif mode == "raise":
     if rank == 1:
