@@ -11,11 +11,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_on_ranks
+from parity import (
+    assert_close_relative,
+    ds_optimizer_block,
+    global_batches,
+    make_model,
+    micro_batch,
+    reference_run,
+)
 
 import zerospeed
-from distributed import run_on_ranks
-from parity import (assert_close_relative, ds_optimizer_block, global_batches, make_model, micro_batch,
-                    reference_run)
 from zerospeed.comm import comms_logger
 from zerospeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from zerospeed.runtime.precision import PrecisionSettings
@@ -319,7 +325,7 @@ def test_state_dict_round_trip_is_exact_and_weights_only_loadable(stage):
 
 
 def _wrong_world_size_state():
-    model, optimizer = _build(2)
+    _model, optimizer = _build(2)
     state = optimizer.state_dict()
     state["partition_count"] = [3, 3]
     with pytest.raises(ValueError, match="partition_count"):
@@ -331,7 +337,7 @@ def test_loading_a_state_saved_on_another_world_size_is_a_clear_error():
 
 
 def _grad_twice_without_epilogue():
-    model, optimizer = _build(2)
+    model, _optimizer = _build(2)
     (tokens, targets), = _batches(1, 1)[0]
     model(tokens, targets).backward()
     with pytest.raises(RuntimeError, match="Gradient computed twice"):

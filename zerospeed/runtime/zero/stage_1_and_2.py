@@ -80,7 +80,7 @@ class _ZeroSettings:
     load_from_fp32_weights: bool = True
 
     @classmethod
-    def from_config(cls, zero_config: Any) -> "_ZeroSettings":
+    def from_config(cls, zero_config: Any) -> _ZeroSettings:
         values = {field.name: getattr(zero_config, field.name, field.default)
                   for field in dataclasses.fields(cls)}
         values["overlap_comm"] = bool(values["overlap_comm"])   # None (unset) means off below stage 3
