@@ -171,9 +171,11 @@ def test_clipping_is_active_in_the_clipped_cases():
 
 # --- low precision -----------------------------------------------------------------------------
 
-def _bf16(stage):
-    precision = PrecisionSettings(param_dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16,
-                                  communication_dtype=torch.bfloat16, check_overflow=True)
+def _bf16(stage, wide_dtype):
+    """bf16 params; gradients accumulated and communicated in bf16, or in `wide_dtype`."""
+    wide = wide_dtype or torch.bfloat16
+    precision = PrecisionSettings(param_dtype=torch.bfloat16, grad_accum_dtype=wide,
+                                  communication_dtype=wide, check_overflow=True)
     model, optimizer = _build(stage, "AdamW", precision, dtype=torch.bfloat16, reduce_bucket_size=20)
     losses, _ = _train(model, optimizer, gas=2)
     ref_losses, _ = _reference("AdamW", 2, 0.0)
@@ -181,9 +183,10 @@ def _bf16(stage):
     assert optimizer.single_partition_of_fp32_groups[0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("wide_dtype", [None, torch.float32], ids=["bf16-grads", "fp32-grads"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_bf16_within_1e2_of_fp32(stage):
-    run_on_ranks(_bf16, 2, stage)
+def test_bf16_within_1e2_of_fp32(stage, wide_dtype):
+    run_on_ranks(_bf16, 2, stage, wide_dtype)
 
 
 def _fp16_overflow(stage):
