@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zerospeed import comm
-from zerospeed.accelerator import get_accelerator
-from zerospeed.comm import init_distributed
 from zerospeed.utils.logging import log_dist, logger
 from zerospeed.version import (
     __git_branch__,
@@ -27,6 +24,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                config: Any = None, mesh_param: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
     """Build the training engine; returns `(engine, optimizer, training_dataloader, lr_scheduler)`."""
     global dist
+    from zerospeed import comm
+    from zerospeed.accelerator import get_accelerator
+    from zerospeed.comm import init_distributed
     from zerospeed.runtime.engine import DeepSpeedEngine
 
     log_dist(f"zerospeed info: version={__version__}", ranks=[0])
@@ -64,8 +64,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+_LAZY_SUBMODULES = ("comm", "zero", "accelerator", "ops", "monitor", "profiling", "checkpoint", "launcher")
+
+
 def __getattr__(name: str) -> Any:
-    # Heavy pieces load on first use so `import zerospeed` stays cheap.
+    # Heavy pieces load on first use, so `import zerospeed` (and every launch) stays cheap.
+    import importlib
+
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"zerospeed.{name}")
+    if name == "init_distributed":
+        from zerospeed.comm import init_distributed
+
+        return init_distributed
+    if name == "get_accelerator":
+        from zerospeed.accelerator import get_accelerator
+
+        return get_accelerator
     if name == "DeepSpeedEngine":
         from zerospeed.runtime.engine import DeepSpeedEngine
 
@@ -82,10 +97,6 @@ def __getattr__(name: str) -> Any:
         from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 
         return DeepSpeedDataLoader
-    if name == "zero":
-        import importlib
-
-        return importlib.import_module("zerospeed.zero")
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
 
 

@@ -235,6 +235,11 @@ def _raise_remote_abort(args: argparse.Namespace, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["estimate"]:  # `zerospeed estimate ...`: the ZeRO memory estimator CLI
+        from zerospeed.runtime.zero.estimate_cli import main as estimate_main
+
+        return estimate_main(argv[1:])
     args = parse_args(argv)
     try:
         resources = resolve_resources(args)
