@@ -143,3 +143,70 @@ def test_memory_breakdown_is_16_psi_over_n_plus_persistent(threshold):
         assert abs(breakdown["total"] - persistent_bytes - expected) <= 0.02 * expected, breakdown
         assert breakdown["persistent_params"] == persistent_bytes
         assert (persistent_bytes > 0) == (threshold > 0)
+
+
+class TinyMoE(torch.nn.Module):
+    """Each row goes to the expert its sign picks: which experts run depends on each rank's data."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        use = (x[:, 0] > 0).long()
+        out = torch.zeros_like(x)
+        for index in sorted(set(use.tolist())):
+            rows = use == index
+            out[rows] = self.experts[index](x[rows])
+        return out
+
+
+class MoEModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.moe, self.head = torch.nn.Linear(8, 8), TinyMoE(), torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.head(self.moe(self.inp(x))), y)
+
+
+def _moe_batches():
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(4)]
+
+
+def _train_moe():
+    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = MoEModel()
+    assert len(zerospeed.zero.set_z3_leaf_modules(model, [TinyMoE])) == 1
+    config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "param_persistence_threshold": 0}}
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    used = []
+    for batch in _moe_batches():
+        x, y = micro_batch(batch, 0, rank, 4 // world_size, world_size)
+        with torch.no_grad(), zerospeed.zero.GatheredParameters(list(model.inp.parameters())):
+            used.append(sorted(set((model.inp(x)[:, 0] > 0).tolist())))  # the experts this rank runs
+        engine.backward(engine(x, y))
+        engine.step()
+    from test_stage3 import full_params
+
+    return used, full_params(engine)
+
+
+def test_z3_leaf_module_with_data_dependent_experts_equals_single_process():
+    """Ranks run different experts, so their gradient hooks differ; the reference is one process
+    on the whole batch (stage 0's hook-driven all-reduce mis-pairs gradients on such models)."""
+    torch.manual_seed(0)
+    reference = MoEModel()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in _moe_batches():
+        optimizer.zero_grad()
+        (0.5 * (reference(x[:2], y[:2]) + reference(x[2:], y[2:]))).backward()
+        optimizer.step()
+    results = run_on_ranks(_train_moe, 2)
+    assert any(u0 != u1 for u0, u1 in zip(results[0][0], results[1][0]))  # the ranks did diverge
+    for _, params in results:
+        for name, expected in reference.named_parameters():
+            assert_close_relative(params[name], expected.detach(), 1e-6, name)

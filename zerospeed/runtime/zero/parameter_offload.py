@@ -136,6 +136,8 @@ class DeepSpeedZeRoOffload:
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
         self._install_hooks(module)
+        self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)  # type: ignore[union-attr]
+                               for p in m.parameters() if is_zero_param(p)}
         for param in self.params:
             set_strict(param)
 

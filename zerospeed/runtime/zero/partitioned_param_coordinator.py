@@ -13,7 +13,9 @@ Invariants
   AVAILABLE. Prefetch never takes it past `max_live_parameters`, and a released parameter is kept
   for reuse only while it stays within that bound, so at any moment it is at most
   `max_live_parameters` plus the module being fetched.
-- A parameter is released only when no module that is running (forward or backward) uses it.
+- A parameter is released only when no module that is running (forward or backward) uses it, and
+  only by the coordinator that gathered it: one gathered by `GatheredParameters` stays until that
+  context exits, even if a module's forward runs inside it.
 - Persistent parameters (`ds_persist`) are never released here; they are gathered once and
   refreshed after each optimizer step.
 """
@@ -58,6 +60,7 @@ class PartitionedParameterCoordinator:
         self._recording: list[TraceEntry] = []
         self.step_id = 0
         self._inflight: dict[int, MultiGatherHandle] = {}
+        self._owned: set[int] = set()   # ds_ids this coordinator gathered (and so may release)
         self.n_available_numel = 0
         self.peak_available_numel = 0
         self.num_invalidations = 0
@@ -125,6 +128,7 @@ class PartitionedParameterCoordinator:
         for param in handle.params:
             self._inflight[param.zs_state.ds_id] = handle
             if not param.zs_state.persist:
+                self._owned.add(param.zs_state.ds_id)
                 self.n_available_numel += param.zs_state.numel
         self.peak_available_numel = max(self.peak_available_numel, self.n_available_numel)
 
@@ -159,7 +163,7 @@ class PartitionedParameterCoordinator:
     def release_sub_module(self, module_id: int, params: tuple[ZeroParameter, ...]) -> None:
         for param in params:
             param.zs_state.active_sub_modules.discard(module_id)
-        candidates = [p for p in params if not p.zs_state.persist and not p.zs_state.active_sub_modules
+        candidates = [p for p in params if p.zs_state.ds_id in self._owned and not p.zs_state.active_sub_modules
                       and p.zs_state.status is ZeroParamStatus.AVAILABLE]
         if self.is_complete_trace():
             reused = self._reused_soon()
@@ -182,6 +186,7 @@ class PartitionedParameterCoordinator:
     def _release(self, params: list[ZeroParameter]) -> None:
         release_params(params)
         for param in params:
+            self._owned.discard(param.zs_state.ds_id)
             self.n_available_numel -= param.zs_state.numel
 
     def release_all(self) -> None:
@@ -189,8 +194,7 @@ class PartitionedParameterCoordinator:
         self._wait_all()
         for param in self.all_params:
             param.zs_state.active_sub_modules.clear()
-        self._release([p for p in self.all_params if not p.zs_state.persist
-                       and p.zs_state.status is ZeroParamStatus.AVAILABLE])
+        self._release([p for p in self.all_params if p.zs_state.ds_id in self._owned])
         assert self.n_available_numel == 0, f"coordinator lost count: {self.n_available_numel} left"
 
     def params_summary(self) -> dict[str, Any]:

@@ -124,6 +124,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
         self._bucket_numel = 0
         self._in_flight: list[_InFlight] = []
+        self._deferred: dict[int, torch.Tensor] = {}
+        leaf_ids = self.parameter_offload.leaf_param_ids
+        self._leaf_params = sorted((p for g in self.fp16_groups for p in g if p.zs_state.ds_id in leaf_ids),
+                                   key=lambda p: p.zs_state.ds_id)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for group in self.fp16_groups for p in group]
 
@@ -139,10 +143,28 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
                                "the parameter was used while partitioned (outside the forward of a module "
                                "that owns it). Register it with zero.register_external_parameter(module, "
                                "param) or use it inside zero.GatheredParameters.")
-        self._bucket.append((param, grad))  # type: ignore[arg-type]
-        self._bucket_numel += state.padded_numel
+        if state.ds_id in self.parameter_offload.leaf_param_ids:
+            self._deferred[state.ds_id] = grad  # see [Note: leaf-module gradients]
+            return
+        self._add_to_bucket(param, grad)  # type: ignore[arg-type]
+
+    def _add_to_bucket(self, param: ZeroParameter, grad: torch.Tensor) -> None:
+        self._bucket.append((param, grad))
+        self._bucket_numel += param.zs_state.padded_numel
         if self._bucket_numel >= self.reduce_bucket_size:
             self._flush_bucket()
+
+    def _reduce_deferred(self) -> None:
+        """[Note: leaf-module gradients] Inside a z3-leaf module (an MoE layer) which parameters
+        get a gradient depends on each rank's data, so their hooks fire in different orders and
+        numbers on different ranks. Their gradients wait here and are reduced at the end of
+        backward in ds_id order, zeros standing in for a missing one: the same collectives on
+        every rank."""
+        for param in self._leaf_params:
+            grad = self._deferred.pop(param.zs_state.ds_id, None)
+            if grad is None:
+                grad = torch.zeros(param.zs_state.shape, dtype=param.dtype, device=param.ds_tensor.device)
+            self._add_to_bucket(param, grad)
 
     def _flush_bucket(self) -> None:
         if not self._bucket:
@@ -193,6 +215,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             offset += size
 
     def backward_epilogue(self, is_boundary: bool) -> None:
+        self._reduce_deferred()
+        self._finish_reductions()
+
+    def _finish_reductions(self) -> None:
         self._flush_bucket()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
@@ -200,7 +226,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
 
     # --- the step -----------------------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
-        self.backward_epilogue(True)
+        self._finish_reductions()
         grads = self.grad_flat
         self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group)
         self.loss_scaler.update_scale(self.overflow)
