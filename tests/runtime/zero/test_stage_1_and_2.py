@@ -116,6 +116,7 @@ def _train(model, optimizer, gas, num_steps=NUM_STEPS, poison=None):
             loss = model(tokens[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]) / gas
             if poison is not None and step == poison and rank == 0:
                 loss = loss * float("inf")
+            optimizer.prepare_backward(micro == gas - 1)
             optimizer.scale_loss(loss).backward()
             optimizer.backward_epilogue(micro == gas - 1)
             total += loss.detach().float()
@@ -209,8 +210,8 @@ def test_fp16_overflow_skips_the_step_on_every_rank(stage):
 
 # --- communication volume ----------------------------------------------------------------------
 
-def _comm_volume(stage, reduce_scatter, bucket):
-    model, optimizer = _build(stage, reduce_scatter=reduce_scatter, reduce_bucket_size=bucket)
+def _comm_volume(stage, reduce_scatter, bucket, **zero):
+    model, optimizer = _build(stage, reduce_scatter=reduce_scatter, reduce_bucket_size=bucket, **zero)
     _train(model, optimizer, gas=1, num_steps=1)
     comms_logger.configure(enabled=True, prof_all=True)
     comms_logger.reset()
@@ -250,6 +251,15 @@ def test_one_step_moves_the_2psi_bound(stage, reduce_scatter):
         assert len(grad_calls) >= real // largest and all(size <= largest * 4 for size in grad_calls)
     assert sum(gather_calls) == padded * 4                          # the updated parameters, once
     assert len(big) == len(grad_calls) + len(gather_calls)          # nothing else tensor-sized
+
+
+def test_stage1_overlap_reduces_from_the_boundary_backward():
+    """Stage 1 + overlap_comm: the boundary micro-batch's hooks send each slice to its owner, once."""
+    records, real, padded, _, _ = run_on_ranks(_comm_volume, 2, 1, True, 8, overlap_comm=True)[0]
+    big = [(op, size) for op, size in records if size > 8]
+    assert {op for op, _ in big} == {"all_to_all_single", "all_gather_into_tensor"}
+    assert sum(size for op, size in big if op == "all_to_all_single") == real * 4
+    assert sum(size for op, size in big if op == "all_gather_into_tensor") == padded * 4
 
 
 def _default_buckets_volume(stage):
@@ -377,7 +387,7 @@ def _engine_train(stage, gas, kind, clip, extra=None):
 @pytest.mark.parametrize("stage,gas,kind,clip", [(1, 1, "AdamW", 0.0), (1, 4, "SGD", 0.05),
                                                  (2, 1, "SGD", 0.0), (2, 4, "AdamW", 0.05)])
 def test_engine_matches_single_process_torch(stage, gas, kind, clip):
-    results = run_on_ranks(_engine_train, 2, stage, gas, kind, clip, {"overlap_comm": stage == 2})
+    results = run_on_ranks(_engine_train, 2, stage, gas, kind, clip, {"overlap_comm": gas == 4})
     ref_losses, ref_params = reference_run(make_model(), global_batches(NUM_STEPS, 16), kind, ENGINE_LR,
                                            ENGINE_WD, clip)
     losses = torch.tensor([r[0] for r in results]).view(2, NUM_STEPS, gas).mean(dim=(0, 2))

@@ -84,8 +84,8 @@ class GradReducer:
             dest.copy_(self._scale(output, self.after))
         self._submit(_InFlight(handle, (rows, output), finish))
 
-    def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice]) -> None:
-        """Sum `flat` over ranks and add each slice this rank owns into its `dest`."""
+    def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice], accumulate: bool = True) -> None:
+        """Sum `flat` over ranks; add (or copy) each slice this rank owns into its `dest`."""
         self._scale(flat, self.before)
         mine = [s for s in slices if s.dp_rank == self.dp_rank]
         if not self.use_reduce_scatter:
@@ -109,7 +109,8 @@ class GradReducer:
             summed = received.view(self.world_size, mine_numel).sum(dim=0) if reduce_copies else received
             for owned, start in zip(mine, starts):
                 assert owned.dest is not None
-                owned.dest.add_(self._scale(summed.narrow(0, start, owned.numel), self.after))
+                reduced = self._scale(summed.narrow(0, start, owned.numel), self.after)
+                owned.dest.add_(reduced) if accumulate else owned.dest.copy_(reduced)
         self._submit(_InFlight(handle, (flat, received), finish))
 
     def wait_all(self) -> None:
@@ -151,7 +152,8 @@ class GradientBuckets:
     """Stage 2: gradients bucketed in production order, each full bucket reduced to the owners."""
 
     def __init__(self, layouts: list[GroupLayout], partitions: list[torch.Tensor], reducer: GradReducer,
-                 comm_dtype: torch.dtype, bucket_numel: int, contiguous_gradients: bool) -> None:
+                 comm_dtype: torch.dtype, bucket_numel: int, contiguous_gradients: bool,
+                 accumulate: bool = True) -> None:
         if bucket_numel < 1:
             raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
         self.owners = [owner_fragments(layout) for layout in layouts]
@@ -160,6 +162,7 @@ class GradientBuckets:
         self.comm_dtype = comm_dtype
         self.bucket_numel = min(bucket_numel, max(1, sum(layout.numel for layout in layouts)))
         self.contiguous_gradients = contiguous_gradients
+        self.accumulate = accumulate      # False: the reduced slices replace the partition (stage 1)
         self._arrived: set[tuple[int, int]] = set()
         self._open_bucket()
 
@@ -192,6 +195,9 @@ class GradientBuckets:
         if self._filled >= self.bucket_numel:
             self._reduce_bucket()
 
+    def has_arrived(self, group_index: int, param_index: int) -> bool:
+        return (group_index, param_index) in self._arrived
+
     def flush(self) -> None:
         """End of backward: reduce the open bucket and wait for every reduction. A parameter that
         got no gradient is simply absent (DeepSpeed's `ignore_unused_parameters`)."""
@@ -213,5 +219,5 @@ class GradientBuckets:
                 if dp_rank == self.reducer.dp_rank:
                     dest = self.partitions[group_index].narrow(0, frag.partition_start, frag.numel)
                 slices.append(OwnedSlice(dp_rank, offset + frag.param_start, frag.numel, dest))
-        self.reducer.reduce_to_owners(flat, slices)
+        self.reducer.reduce_to_owners(flat, slices, self.accumulate)
         self._open_bucket()

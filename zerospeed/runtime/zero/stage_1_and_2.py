@@ -9,7 +9,9 @@ only for 1/W of the model.
 - Stage 1: gradients accumulate, across micro-batches, into a full flat gradient buffer in
   `grad_accum_dtype` (a post-accumulate hook adds each `param.grad` and frees it); at the
   boundary the buffer is reduced in slabs (grad_buckets.py) so this rank's partition of it
-  holds the averaged gradients.
+  holds the averaged gradients. With `overlap_comm` the boundary micro-batch's hooks instead
+  send each accumulated gradient to its owners while backward runs (the engine announces that
+  micro-batch through `prepare_backward`).
 - Stage 2: the hook hands each gradient to `GradientBuckets` as backward produces it; each full
   bucket is reduced to the slices' owners (overlapped with backward under `overlap_comm`) and
   accumulated into a gradient buffer of partition size only.
@@ -152,12 +154,13 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def _init_reduction(self) -> None:
         self.reducer = GradReducer(self.dp_process_group, self.precision, self.settings.reduce_scatter,
                                    self.settings.overlap_comm)
-        self.buckets = None
-        if self.partition_gradients:
-            self.buckets = GradientBuckets(
-                [g.layout for g in self.groups], [g.grads for g in self.groups], self.reducer,
-                self.precision.communication_dtype, self.settings.reduce_bucket_size,
-                self.settings.contiguous_gradients)
+        # Stage 2 reduces from every backward's hooks; stage 1 with overlap_comm from the boundary
+        # micro-batch's hooks (the reduced slices then replace its partition of the flat buffer).
+        self.buckets = GradientBuckets(
+            [g.layout for g in self.groups], [self._partition_grad(g) for g in self.groups], self.reducer,
+            self.precision.communication_dtype, self.settings.reduce_bucket_size,
+            self.settings.contiguous_gradients, accumulate=self.partition_gradients)
+        self._reduce_in_backward = False
         self._param_slot = {param: (gi, pi) for gi, g in enumerate(self.groups)
                             for pi, param in enumerate(g.params)}
         self._hook_handles = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -174,21 +177,40 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         grad = param.grad
         if grad is None:
             return
-        if self.buckets is not None:
+        if self.partition_gradients:
             self.buckets.add_grad(group_index, param_index, grad)
         else:
             group = self.groups[group_index]
-            offset = group.layout.param_offsets[param_index]
-            group.grads.narrow(0, offset, param.numel()).add_(grad.reshape(-1))
+            accumulated = group.grads.narrow(0, group.layout.param_offsets[param_index], param.numel())
+            accumulated.add_(grad.reshape(-1))
+            if self._reduce_in_backward:
+                self.buckets.add_grad(group_index, param_index, accumulated)
         param.grad = None
         self._unreduced = True
 
+    def prepare_backward(self, will_reduce: bool) -> None:
+        self._reduce_in_backward = will_reduce and self.settings.overlap_comm and not self.partition_gradients
+
     def backward_epilogue(self, is_boundary: bool) -> None:
-        if self.buckets is not None:
+        if self.partition_gradients:
             self.buckets.flush()          # stage 2 reduces every micro-batch
             self._unreduced = False
+        elif is_boundary and self._reduce_in_backward:
+            self._finish_reduce_in_backward()
         elif is_boundary:
             self._reduce_full_gradients()
+
+    def _finish_reduce_in_backward(self) -> None:
+        """Stage 1 + overlap_comm: parameters whose gradient came only in earlier micro-batches
+        did not fire a hook in this backward; reduce them now, in flat order, then wait."""
+        for group_index, group in enumerate(self.groups):
+            for param_index, param in enumerate(group.params):
+                if not self.buckets.has_arrived(group_index, param_index):
+                    offset = group.layout.param_offsets[param_index]
+                    self.buckets.add_grad(group_index, param_index, group.grads.narrow(0, offset, param.numel()))
+        self.buckets.flush()
+        self._reduce_in_backward = False
+        self._unreduced = False
 
     def _reduce_full_gradients(self) -> None:
         for group in self.groups:
