@@ -93,10 +93,26 @@ def build_loss_scaler(config: Any, precision: PrecisionSettings) -> LossScaler:
                               dynamic_scaling=dynamic, dynamic_loss_args=config.dynamic_loss_scale_args)
 
 
+# Optimizers whose update is element-wise, hence exact on ZeRO's flat partitions. DeepSpeed's list is
+# Adam / AdamW / Adagrad and its own ops; SGD and the other element-wise torch optimizers are exact
+# too, so they are allowed here. Anything else (e.g. LAMB's per-tensor trust ratio) needs the flag.
+_ZERO_SAFE_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+                         "DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLion")
+
+
+def check_zero_supported(basic: torch.optim.Optimizer, config: Any) -> None:
+    name = type(basic).__name__
+    if config.zero_optimization_stage > 0 and name not in _ZERO_SAFE_OPTIMIZERS \
+            and not config.zero_allow_untested_optimizer:
+        raise ValueError(f"You are using an untested ZeRO Optimizer ({name}). Please add "
+                         '<"zero_allow_untested_optimizer": true> in the configuration file to use it.')
+
+
 def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision: PrecisionSettings,
                             dp_group: Any, param_names: dict[torch.nn.Parameter, str],
                             module: torch.nn.Module) -> DeepSpeedOptimizer:
     """The one place the ZeRO stage is branched on."""
+    check_zero_supported(basic, config)
     stage = config.zero_optimization_stage
     loss_scaler = build_loss_scaler(config, precision)
     zero_config = config.zero_config
