@@ -210,3 +210,30 @@ def test_z3_leaf_module_with_data_dependent_experts_equals_single_process():
     for _, params in results:
         for name, expected in reference.named_parameters():
             assert_close_relative(params[name], expected.detach(), 1e-6, name)
+
+
+def _eval_between_steps(stage):
+    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = Reordering()
+    config = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "param_persistence_threshold": 0}}
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    losses = []
+    for batch in global_batches(3, BATCH):
+        x, y = micro_batch(batch, 0, rank, BATCH // world_size, world_size)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.eval()
+        with torch.no_grad():  # forward only: no backward hooks, everything released after
+            losses.append(engine(x, y).item())
+        engine.train()
+    gathered = [p for p in model.parameters() if getattr(p, "ds_persist", True) is False and p.numel() > 0]
+    return losses, len(gathered)
+
+
+def test_no_grad_evaluation_between_steps():
+    for (losses0, _), (losses3, gathered) in zip(run_on_ranks(_eval_between_steps, 2, 0),
+                                                 run_on_ranks(_eval_between_steps, 2, 3)):
+        assert gathered == 0
+        assert_close_relative(torch.tensor(losses3), torch.tensor(losses0), 1e-6, "eval losses")

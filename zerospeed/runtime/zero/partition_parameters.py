@@ -268,6 +268,7 @@ class Init:
         self.group = data_parallel_group if data_parallel_group is not None else (
             mpu.get_data_parallel_group() if mpu is not None else None)
         self.dtype = dtype
+        self.device = _target_device(remote_device)
         self.persistence_threshold = _persistence_threshold(config_dict_or_path or config)
         self._patched: dict[type, Any] = {}
         self._live_full: dict[int, int] = {}
@@ -350,10 +351,19 @@ class Init:
                 continue
             if self.dtype is not None and param.is_floating_point():
                 param.data = param.data.to(self.dtype)
+            param.data = param.data.to(self.device)  # partitions live on the accelerator (or remote_device)
             persist = param.numel() <= self.persistence_threshold
             convert_to_zero_param(param, self.group, name=f"{type(module).__name__}.{name}", persist=persist)
             if persist:
                 self._live_full[param.zs_state.ds_id] = param.numel()  # type: ignore[union-attr]
+
+
+def _target_device(remote_device: Any) -> torch.device:
+    if remote_device is not None and str(remote_device) not in ("none", "OffloadDeviceEnum.none"):
+        return torch.device("cpu")  # cpu / nvme offload: partitions stay in host memory
+    from zerospeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 def _persistence_threshold(config: Any) -> int:
