@@ -196,6 +196,10 @@ def _variant(name):
         results.append((losses, {n: p.float() for n, p in full_params(engine).items()}))
     if tweak == "freeze_wpe_groups":
         assert len(engine.optimizer.param_groups) == 2
+        assert [p.ds_id for p in engine.optimizer.frozen_params()] == [model.wpe.weight.ds_id]
+        shapes = engine.optimizer.param_shapes()
+        assert sum(len(s) for s in shapes) == len([p for p in model.parameters() if p.requires_grad])
+        assert shapes[0]["wte.weight"] == (64, 32)
         assert torch.equal(results[1][1]["wpe.weight"], build_model("gpt").wpe.weight.detach())
     return results
 

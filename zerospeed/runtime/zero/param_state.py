@@ -167,7 +167,7 @@ _METADATA_FUNCTIONS = frozenset(getattr(torch.Tensor, name) for name in (
     "numel", "element_size", "is_floating_point", "is_complex", "data_ptr", "untyped_storage", "detach",
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "to", "cpu", "cuda", "float",
     "half", "bfloat16", "double", "type", "storage_offset", "stride", "is_contiguous", "get_device",
-    "_is_view", "clone"))
+    "_is_view"))
 
 
 class PartitionedParameter(ZeroParameter):

@@ -310,6 +310,18 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 
+    # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
+    def param_shapes(self) -> list[dict[str, torch.Size]]:
+        """Per sub-group, name -> full shape of each trainable param, in flat-partition order
+        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it)."""
+        return [{p.zs_state.name: p.zs_state.shape for p in group} for group in self.fp16_groups]
+
+    def frozen_params(self) -> list[ZeroParameter]:
+        """Partitioned params outside the optimizer (no gradient), in ds_id order."""
+        trainable = {id(p) for group in self.fp16_groups for p in group}
+        return sorted((p for p in self.parameter_offload.params if id(p) not in trainable),
+                      key=lambda p: p.zs_state.ds_id)
+
     # --- DeepSpeed's names for the same things ------------------------------------------------------
     @property
     def fp32_partitioned_groups_flat(self) -> list[torch.nn.Parameter]:
