@@ -115,11 +115,11 @@ class PartitionedParameterCoordinator:
 
     def fetch_now(self, param: ZeroParameter) -> None:
         """A synchronous fetch of one parameter (one read during forward outside its module)."""
-        handle = self._inflight.get(param.zs_state.ds_id)
-        if handle is None:
+        if param.zs_state.status is ZeroParamStatus.NOT_AVAILABLE:
             self._start_gather([param])
-            handle = self._inflight[param.zs_state.ds_id]
-        self._complete(handle)
+        handle = self._inflight.get(param.zs_state.ds_id)
+        if handle is not None:
+            self._complete(handle)
 
     def _start_gather(self, params: list[ZeroParameter], async_op: bool = False) -> None:
         if not params:
