@@ -88,3 +88,48 @@ def test_gradients_are_all_reduced_once_in_async_buckets_during_backward():
     assert sum(r[1] for r in all_reduces) == 4 * num_params       # fp32 gradients, once
     assert all(r[2] for r in all_reduces)                          # launched asynchronously
     assert len(all_reduces) >= num_params // 200                   # in buckets of <= 200 elements
+
+
+class _TwoExperts(torch.nn.Module):
+    """Rows with a positive first feature go to expert 0, the rest to expert 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 4) for _ in range(2))
+
+    def forward(self, x, y):
+        hidden = torch.tanh(self.inp(x))
+        positive = x[:, 0] > 0
+        out = torch.zeros(x.shape[0], 4)
+        for index, rows in enumerate((positive, ~positive)):
+            if rows.any():
+                out[rows] = self.experts[index](hidden[rows])
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def _expert_batches():
+    batches = global_batches(5, GLOBAL_BATCH)
+    for x, _ in batches:  # rank 0's half positive, rank 1's half negative: each rank runs one expert
+        x[: GLOBAL_BATCH // 2, 0] = x[: GLOBAL_BATCH // 2, 0].abs() + 0.1
+        x[GLOBAL_BATCH // 2:, 0] = -x[GLOBAL_BATCH // 2:, 0].abs() - 0.1
+    return batches
+
+
+def _train_experts():
+    torch.manual_seed(0)
+    config = {"train_batch_size": GLOBAL_BATCH, "optimizer": ds_optimizer_block("AdamW", LR, WEIGHT_DECAY),
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 0, "reduce_bucket_size": 40}}
+    engine, _, _, _ = zerospeed.initialize(model=_TwoExperts(), config=config)
+    for batch in _expert_batches():
+        engine.backward(engine(*micro_batch(batch, 0, torch.distributed.get_rank(), GLOBAL_BATCH // 2, 2)))
+        engine.step()
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def test_ranks_using_different_parameters_still_reduce_correctly():
+    torch.manual_seed(0)
+    _, ref_params = reference_run(_TwoExperts(), _expert_batches(), "AdamW", LR, WEIGHT_DECAY, 0.0)
+    for params in run_on_ranks(_train_experts, 2):
+        for name, expected in ref_params.items():
+            assert_close_relative(params[name], expected, 1e-6, name)

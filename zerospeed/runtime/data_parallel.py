@@ -39,7 +39,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
-        self._reducer = OverlappedAllReduce(len(self._lp_params), reduce_bucket_size, dp_group, precision)
+        self._reducer = OverlappedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
         self._reduce_in_backward = False
         for index, param in enumerate(self._lp_params):
             param.register_post_accumulate_grad_hook(self._grad_hook(index))
@@ -70,7 +70,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
             if self._separate_accumulation:
                 self._move_grad_to_accumulator(index, param)
             if self._reduce_in_backward:
-                self._reducer.add(index, self._gradient(index))
+                self._reducer.mark_ready(index, self._gradient)
 
         return on_grad_ready
 

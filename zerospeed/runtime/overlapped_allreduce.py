@@ -1,15 +1,17 @@
 """Stage 0's gradient all-reduce, overlapped with backward (as DDP does).
 
 [Note: overlapped all-reduce]
-On the micro-batch that ends an accumulation window, each parameter's gradient hook hands the
-finished gradient to `OverlappedAllReduce.add`. Gradients are packed, in the order backward
-produces them, into buckets of at most `bucket_numel` elements of one dtype; a full bucket is
-flattened and all-reduced asynchronously while backward goes on. `finish()` (the backward
-epilogue) reduces whatever the hooks did not see — gradients still to come from a later hook
-never exist, so those are parameters with no gradient this window, reduced as zeros so every rank
-issues the same collectives — then waits for every bucket and copies the averages back.
-Every rank must produce gradients in the same order (the same graph), as with DDP. Only `wait()`
-is called on a handle: gloo's async handles have no usable futures (peer-figures.md).
+Parameters are cut once, at construction, into buckets of at most `bucket_numel` elements of one
+dtype, in reverse registration order (roughly the order backward produces gradients). On the
+micro-batch that ends an accumulation window, each parameter's gradient hook marks it ready;
+buckets are launched — flattened and all-reduced asynchronously while backward goes on — strictly
+in bucket order, each once all its members are ready. `finish()` (the backward epilogue) launches
+the rest, with zeros for parameters that got no gradient on this rank, waits, and copies back.
+
+Because bucket membership and launch order are fixed, every rank issues the same collectives in
+the same order even when ranks use different parameters (MoE experts, data-dependent branches):
+a bucket waiting on a parameter this rank did not use simply launches at `finish()`. Only
+`wait()` is called on a handle: gloo's async handles have no usable futures (peer-figures.md).
 """
 
 from __future__ import annotations
@@ -29,68 +31,74 @@ from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 MAX_OVERLAP_BUCKET_NUMEL = 1 << 22
 
 
+def plan_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_numel: int) -> list[list[int]]:
+    """Parameter indices, last registered first, in runs of one dtype of at most `bucket_numel`
+    elements (a larger parameter is a bucket of its own)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_numel = 0
+    for index in reversed(range(len(numels))):
+        if current and (current_numel + numels[index] > bucket_numel or dtypes[current[0]] != dtypes[index]):
+            buckets.append(current)
+            current, current_numel = [], 0
+        current.append(index)
+        current_numel += numels[index]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 @dataclasses.dataclass
-class _Bucket:
-    indices: list[int]
+class _Launched:
     grads: list[torch.Tensor]
-    flat: torch.Tensor | None = None
-    handle: Any = None
+    flat: torch.Tensor
+    handle: Any
 
 
 class OverlappedAllReduce:
-    def __init__(self, num_params: int, bucket_numel: int, group: Any, settings: PrecisionSettings) -> None:
-        self.num_params = num_params
-        self.bucket_numel = max(1, min(int(bucket_numel), MAX_OVERLAP_BUCKET_NUMEL))
+    def __init__(self, params: list[torch.Tensor], bucket_numel: int, group: Any, settings: PrecisionSettings) -> None:
+        bucket_numel = max(1, min(int(bucket_numel), MAX_OVERLAP_BUCKET_NUMEL))
+        dtypes = [settings.grad_accum_dtype] * len(params)
+        self.buckets = plan_buckets([p.numel() for p in params], dtypes, bucket_numel)
+        self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self.group = group
-        self.settings = settings
-        self.world_size = comm.get_world_size(group)
-        self.before, self.after = averaging_factors(settings, self.world_size)
+        self.comm_dtype = settings.communication_dtype
+        self.before, self.after = averaging_factors(settings, comm.get_world_size(group))
         self._reset()
 
     def _reset(self) -> None:
-        self._open = _Bucket([], [])
-        self._open_numel = 0
-        self._launched: list[_Bucket] = []
-        self._seen = [False] * self.num_params
+        self._missing = [len(bucket) for bucket in self.buckets]
+        self._ready = [False] * len(self.bucket_of)
+        self._next_bucket = 0
+        self._launched: list[_Launched] = []
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        """A finished gradient: pack it, launching the open bucket when full or of another dtype."""
-        if self._seen[index]:
+    def mark_ready(self, index: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+        """A parameter's gradient is final for this window; launch every bucket now complete."""
+        if self._ready[index]:
             return
-        self._seen[index] = True
-        if self._open.grads and (self._open_numel + grad.numel() > self.bucket_numel
-                                 or self._open.grads[0].dtype != grad.dtype):
-            self._launch()
-        self._open.indices.append(index)
-        self._open.grads.append(grad)
-        self._open_numel += grad.numel()
+        self._ready[index] = True
+        self._missing[self.bucket_of[index]] -= 1
+        while self._next_bucket < len(self.buckets) and self._missing[self._next_bucket] == 0:
+            self._launch(self._next_bucket, grad_of)
 
-    def _launch(self) -> None:
-        bucket = self._open
-        flat = _flatten_dense_tensors(bucket.grads)
-        comm_dtype = self.settings.communication_dtype
-        flat = flat.to(comm_dtype) if flat.dtype != comm_dtype else flat
+    def _launch(self, bucket_index: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+        grads = [grad_of(index) for index in self.buckets[bucket_index]]
+        flat = _flatten_dense_tensors(grads)
+        flat = flat.to(self.comm_dtype) if flat.dtype != self.comm_dtype else flat
         if self.before != 1.0:
             flat.mul_(self.before)
-        bucket.flat = flat
-        bucket.handle = comm.all_reduce(flat, group=self.group, async_op=True)
-        self._launched.append(bucket)
-        self._open = _Bucket([], [])
-        self._open_numel = 0
+        handle = comm.all_reduce(flat, group=self.group, async_op=True)
+        self._launched.append(_Launched(grads, flat, handle))
+        self._next_bucket = bucket_index + 1
 
     def finish(self, grad_of: Callable[[int], torch.Tensor]) -> None:
-        """Reduce what the hooks did not see (in index order), wait for all, copy back."""
-        for index in range(self.num_params):
-            if not self._seen[index]:
-                self.add(index, grad_of(index))
-        if self._open.grads:
-            self._launch()
-        for bucket in self._launched:
-            bucket.handle.wait()
-            assert bucket.flat is not None
+        """Launch the buckets not yet launched (zeros where no gradient came), wait, copy back."""
+        for bucket_index in range(self._next_bucket, len(self.buckets)):
+            self._launch(bucket_index, grad_of)
+        for launched in self._launched:
+            launched.handle.wait()
             if self.after != 1.0:
-                bucket.flat.mul_(self.after)
-            for grad, reduced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
+                launched.flat.mul_(self.after)
+            for grad, reduced in zip(launched.grads, _unflatten_dense_tensors(launched.flat, launched.grads)):
                 grad.copy_(reduced)
         self._reset()
-
