@@ -24,8 +24,12 @@ class WandbMonitor(Monitor):
         self.run = wandb.init(project=wandb_config.project, group=wandb_config.group, entity=wandb_config.team)
 
     def write_events(self, event_list: list[Event]) -> None:
+        # One committed log call per step: wandb only folds a step into the summary on commit.
+        by_step: dict[int, dict[str, float]] = {}
         for tag, value, step in event_list:
-            self.run.log({tag: value}, step=step)
+            by_step.setdefault(step, {})[tag] = value
+        for step in sorted(by_step):
+            self.run.log(by_step[step], step=step, commit=True)
 
     def close(self) -> None:
         self.run.finish()
