@@ -86,16 +86,12 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
     def _init_module(self, model: torch.nn.Module) -> None:
         self.module = model
         # Params partitioned by zero.Init (they have a ds_id) were broadcast and cast at construction.
-        zero_init = any(hasattr(param, "ds_id") for param in model.parameters())
         if self.precision.low_precision:
             for param in model.parameters():
                 if param.is_floating_point() and not hasattr(param, "ds_id"):
                     param.data = param.data.to(self.precision.param_dtype)
         model.to(self.device)
-        if zero_init:
-            _broadcast_unpartitioned(model, self.dp_group)
-        else:
-            broadcast_module_from_rank0(model, self.dp_group)
+        broadcast_module_from_rank0(model, self.dp_group)
         self.param_names = {param: name for name, param in model.named_parameters()}
 
     def _init_dataloader(self, training_data: Any, collate_fn: Any) -> DeepSpeedDataLoader | None:
@@ -225,11 +221,11 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         for param in self.module.parameters():
             param.grad = None
 
-    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "DeepSpeedEngine":
+    def eval(self) -> DeepSpeedEngine:
         self.module.eval()
         return self
 
@@ -285,13 +281,3 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
             module = super().__getattr__("module")
             return getattr(module, name)
 
-
-@torch.no_grad()
-def _broadcast_unpartitioned(module: torch.nn.Module, group: Any) -> None:
-    """broadcast_module_from_rank0 for a model built under zero.Init: buffers and non-ZeRO params."""
-    if comm.get_world_size(group) == 1:
-        return
-    source = comm.get_global_rank(group, 0)
-    tensors = [p for p in module.parameters() if not hasattr(p, "ds_id")] + list(module.buffers())
-    for tensor in tensors:
-        comm.broadcast(tensor.data, src=source, group=group)
