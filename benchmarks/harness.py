@@ -64,11 +64,15 @@ class RunResult:
 # --- byte counting for peers ---------------------------------------------------------------------
 
 class _CollectiveCounter:
-    """Counts payload bytes of torch.distributed tensor collectives (patched module attributes)."""
+    """Counts payload bytes of torch.distributed tensor collectives (patched module attributes).
 
-    NAMES = {"all_reduce": 0, "all_gather_single": 1, "all_gather_into_tensor": 0, "_all_gather_base": 0,
+    The comms logger's convention: the whole tensor of an all-reduce, the gathered (output) tensor
+    of an all-gather, the full (input) tensor of a reduce-scatter; the number is the argument index.
+    """
+
+    NAMES = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0, "_all_gather_base": 0,
              "reduce_scatter_single": 1, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,
-             "broadcast": 0}
+             "broadcast": 0, "all_to_all_single": 1}
 
     def __init__(self) -> None:
         self.bytes = 0
