@@ -1,0 +1,93 @@
+"""Up-front host-RAM check for ZeRO-Offload: stop at `initialize` with the numbers, instead of
+the kernel's OOM killer stopping the run later.
+
+`plan_host_bytes` is pure arithmetic over the model size: what one rank will allocate in host
+memory for the offloaded tensors (reference §13 counts the same things):
+
+- optimizer offload `cpu`: fp32 master (4 B) + optimizer states (4 B each: Adam 2, Adagrad and
+  Lion 1) per element of this rank's partition, plus, for a bf16/fp16 model, the low-precision
+  host copy of the partition when an accelerator holds the real one;
+- optimizer offload `nvme`: only the staging buffers, `buffer_count` units of `sub_group_size`
+  elements times (1 + states);
+- parameter offload `cpu` (stage 3): the parameter partition in its dtype.
+
+Every rank of a node allocates its own share, so the node needs `local ranks x per rank`;
+`check_host_memory` compares that with psutil's available memory and raises `ValueError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+__all__ = ["HostMemoryPlan", "check_host_memory", "plan_host_bytes"]
+
+_GIB = 2**30
+_STATES_PER_OPTIMIZER = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemoryPlan:
+    per_rank_bytes: dict[str, int]      # what -> bytes, for one rank
+    local_ranks: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(self.per_rank_bytes.values()) * self.local_ranks
+
+
+def _device_name(block: Any) -> str:
+    device = getattr(block, "device", "none") if block is not None else "none"
+    return str(getattr(device, "value", device))
+
+
+def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states: int = 2,
+                    param_element_bytes: int = 4, local_ranks: int = 1) -> HostMemoryPlan:
+    """Host bytes one rank allocates for the offloaded tensors of a model of `numel` elements."""
+    partition = -(-numel // max(1, dp_world_size))
+    optimizer_block, param_block = zero_config.offload_optimizer, zero_config.offload_param
+    parts: dict[str, int] = {}
+    optimizer_device = _device_name(optimizer_block)
+    if optimizer_device == "cpu":
+        parts["fp32 master partition"] = 4 * partition
+        parts[f"optimizer states ({num_states} x fp32)"] = 4 * num_states * partition
+        if param_element_bytes < 4:
+            parts["low-precision copy-out staging"] = param_element_bytes * partition
+    elif optimizer_device == "nvme":
+        unit = min(partition, max(1, int(zero_config.sub_group_size)))
+        count = optimizer_block.buffer_count
+        parts[f"nvme staging buffers ({count} x {unit} elements)"] = count * 4 * (1 + num_states) * unit
+    if _device_name(param_block) == "cpu" and int(zero_config.stage) == 3:
+        parts["parameter partition"] = param_element_bytes * partition
+    return HostMemoryPlan(parts, max(1, local_ranks))
+
+
+def available_host_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def local_ranks_from_env() -> int:
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 1
+
+
+def check_host_memory(plan: HostMemoryPlan, available_bytes: int | None = None) -> None:
+    """ValueError naming what is needed, what is available and what to change, if it cannot fit."""
+    if not plan.per_rank_bytes:
+        return
+    available = available_host_bytes() if available_bytes is None else available_bytes
+    if plan.needed_bytes <= available:
+        return
+    lines = "\n".join(f"  {name}: {value / _GIB:.3f} GiB" for name, value in plan.per_rank_bytes.items())
+    raise ValueError(
+        f"ZeRO-Offload needs {plan.needed_bytes / _GIB:.3f} GiB of host memory on this node "
+        f"({plan.local_ranks} local rank(s) x {sum(plan.per_rank_bytes.values()) / _GIB:.3f} GiB), but only "
+        f"{available / _GIB:.3f} GiB is available. Per rank:\n{lines}\n"
+        "To fit: set zero_optimization.offload_optimizer.device to 'nvme' (with nvme_path), lower "
+        "offload_optimizer.buffer_count or zero_optimization.sub_group_size (nvme), spread the model over "
+        "more data-parallel ranks / nodes, or free host memory.")

@@ -1,0 +1,349 @@
+"""`OffloadStates`: ZeRO-Offload's host side, the fp32 master partitions and optimizer states in
+host memory (`offload_optimizer.device: cpu`) or on NVMe (`nvme`), stepped by a CPU optimizer.
+
+A ZeRO wrapper registers each low-precision partition it owns (`register`, one per stage-1/2
+param group or stage-3 sub-group) and, at the step, hands over the partitioned gradients and
+the unscale/clip multiplier (`step`). Everything between is here:
+
+- [Note: swap units] each partition is cut into units of at most `unit_numel` elements
+  (`zero_optimization.sub_group_size`); a unit's fp32 master is one param of the base optimizer,
+  so Adam's state exists per unit. Adam is elementwise, so stepping units one at a time gives the
+  same bits as stepping the whole partition. Units bound what NVMe offload keeps in RAM.
+- the step, per unit: gradient slice to host fp32 (a view when it is already there), multiply,
+  base optimizer on that unit alone, then the updated master back into the partition: the fused
+  copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
+  accelerator the copies to and from the device go through pinned buffers on a side stream.
+- nvme: units live in `OptimizerSwapper` files, read ahead and written behind around the step
+  ([Note: read-ahead / write-behind] in swap_tensor/optimizer_swapper.py).
+- checkpoints: `optimizer_state_dict()` / `master_partition()` materialise the state in the layout
+  the wrapper would have without offload (one optimizer param per partition), so checkpoints are
+  interchangeable between offload and no offload, and nothing of the swap files is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerospeed.accelerator import get_accelerator
+from zerospeed.ops.cpu_optimizer import CPUOptimizer
+from zerospeed.runtime.grad_utils import scale_
+from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
+from zerospeed.runtime.swap_tensor.optimizer_swapper import OptimizerSwapper
+
+__all__ = ["OffloadStates", "plan_units"]
+
+_FP32 = torch.float32
+_EMPTY = torch.empty(0, dtype=_FP32)
+
+
+def plan_units(partition_numel: int, unit_numel: int) -> list[tuple[int, int]]:
+    """(offset, numel) of the units a partition is cut into (pure)."""
+    unit_numel = max(1, int(unit_numel))
+    return [(offset, min(unit_numel, partition_numel - offset)) for offset in range(0, partition_numel, unit_numel)]
+
+
+@dataclasses.dataclass
+class _Unit:
+    uid: int
+    partition: int
+    offset: int
+    numel: int
+    master: torch.Tensor        # the base optimizer's param (storage swapped out under nvme)
+    group: dict[str, Any]       # the base optimizer param group it belongs to
+
+
+def _is_state_tensor(value: Any) -> bool:
+    """An elementwise state tensor (exp_avg, ...) as opposed to a scalar such as torch's 0-dim `step`."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+@contextlib.contextmanager
+def _stepping_only(optimizer: torch.optim.Optimizer, unit: _Unit) -> Iterator[None]:
+    """The base optimizer sees one param group holding only `unit.master` (same hyperparameters)."""
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**unit.group, "params": [unit.master]}]
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
+
+
+class OffloadStates:
+    def __init__(self, optimizer: torch.optim.Optimizer, offload_config: Any, aio_config: Any,
+                 unit_numel: int, swap_name: str) -> None:
+        self.optimizer = optimizer
+        self.nvme = str(offload_config.device.value if hasattr(offload_config.device, "value")
+                        else offload_config.device) == "nvme"
+        self.unit_numel = max(1, int(unit_numel))
+        self.accelerator = get_accelerator()
+        self._pin = bool(offload_config.pin_memory) and torch.cuda.is_available()
+        self._side_stream = self.accelerator.Stream() if torch.cuda.is_available() else None
+        self.partitions: list[torch.Tensor] = []
+        self.units: list[_Unit] = []
+        self._partition_units: list[list[int]] = []
+        self._staging: dict[str, torch.Tensor] = {}
+        self.state_names: tuple[str, ...] = getattr(optimizer, "STATE_NAMES", ())
+        self.swapper: OptimizerSwapper | None = None
+        self.peak_resident_bytes = 0
+        if self.nvme:
+            self._init_swapper(offload_config, aio_config, swap_name)
+
+    def _init_swapper(self, offload_config: Any, aio_config: Any, swap_name: str) -> None:
+        if not isinstance(self.optimizer, CPUOptimizer):
+            raise TypeError("offload_optimizer.device 'nvme' needs a zerospeed CPU optimizer (the optimizer "
+                             f"block's Adam/AdamW/Adagrad/Lion, or DeepSpeedCPUAdam); got {type(self.optimizer).__name__}")
+        aio = AsyncIOEngine(aio_config.block_size, aio_config.queue_depth, aio_config.intra_op_parallelism)
+        swap_dir = os.path.join(str(offload_config.nvme_path), "zerospeed_offload", swap_name, "optimizer")
+        self.swapper = OptimizerSwapper(swap_dir, 1 + len(self.state_names), self.unit_numel,
+                                        offload_config.buffer_count, aio, offload_config.pin_memory)
+
+    # --- registration ------------------------------------------------------------------------------
+    def register(self, group: dict[str, Any], partition: torch.Tensor) -> list[torch.Tensor]:
+        """Take over `partition` (this rank's flat low-precision slice); returns its fp32 unit masters,
+        which the caller puts in `group["params"]`."""
+        index = len(self.partitions)
+        self.partitions.append(partition)
+        uids = []
+        for offset, numel in plan_units(partition.numel(), self.unit_numel):
+            initial = partition.detach().narrow(0, offset, numel).to("cpu", _FP32)
+            unit = _Unit(len(self.units), index, offset, numel, self._host_master(initial), group)
+            self.units.append(unit)
+            uids.append(unit.uid)
+        self._partition_units.append(uids)
+        return [self.units[uid].master for uid in uids]
+
+    def _host_master(self, initial: torch.Tensor) -> torch.Tensor:
+        if self.swapper is None:
+            master = torch.empty(initial.numel(), dtype=_FP32, pin_memory=self._pin)
+            return master.copy_(initial)
+        zeros = torch.zeros_like(initial)
+        self.swapper.create(len(self.units), [initial] + [zeros] * len(self.state_names))
+        return _EMPTY.clone()
+
+    # --- swap in / out (no-ops when resident) ------------------------------------------------------
+    def _acquire(self, unit: _Unit) -> None:
+        if self.swapper is None:
+            return
+        master, *states = self.swapper.swap_in(unit.uid)
+        unit.master.data = master
+        state = self.optimizer.state[unit.master]
+        state.setdefault("step", 0)
+        state.update(zip(self.state_names, states))
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.swapper.resident_unit_bytes())
+
+    def _release(self, unit: _Unit, dirty: bool = True) -> None:
+        if self.swapper is None:
+            return
+        if self._side_stream is not None:
+            self._side_stream.synchronize()   # device copies from this buffer are done before reuse
+        self.swapper.swap_out(unit.uid, dirty)
+        unit.master.data = _EMPTY
+        state = self.optimizer.state[unit.master]
+        state.update({name: _EMPTY for name in self.state_names})
+
+    def _units_in_order(self, uids: list[int] | None = None) -> Iterator[_Unit]:
+        """Each unit swapped in, prefetching the following ones while the caller works on it."""
+        order = list(range(len(self.units))) if uids is None else uids
+        ahead = 0
+        for position, uid in enumerate(order):
+            unit = self.units[uid]
+            self._acquire(unit)          # first: a prefetch must never take the buffer this one needs
+            if self.swapper is not None:
+                ahead = max(ahead, position + 1)
+                while ahead < len(order) and self.swapper.prefetch(order[ahead]):
+                    ahead += 1
+            yield unit
+
+    # --- the step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        """One update of every unit from the partitioned `grads` (one per registered partition,
+        same layout), multiplied by `multiplier` (unscale and clip) first."""
+        copy_out = isinstance(self.optimizer, CPUOptimizer)
+        for unit in self._units_in_order():
+            grad = self._host_grad(grads[unit.partition].narrow(0, unit.offset, unit.numel))
+            scale_([grad], multiplier)
+            unit.master.grad = grad
+            target = self.partitions[unit.partition].narrow(0, unit.offset, unit.numel)
+            half = copy_out and target.dtype != _FP32
+            host_half = self._host_half(target) if half else None
+            with _stepping_only(self.optimizer, unit):
+                if host_half is not None:
+                    self.optimizer.step(fp16_param_groups=[[host_half]])  # type: ignore[call-arg]
+                else:
+                    self.optimizer.step()
+            unit.master.grad = None
+            self._to_partition(target, host_half if host_half is not None else unit.master)
+            self._release(unit)
+        if self.swapper is not None:
+            self.swapper.flush()
+
+    def _host_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.device.type == "cpu":
+            return grad if grad.dtype == _FP32 else grad.to(_FP32)
+        staging = self._staging_buffer("grad", grad.numel(), _FP32)
+        with self.accelerator.stream(self._side_stream):
+            staging.copy_(grad, non_blocking=True)
+        self._side_stream.synchronize()  # type: ignore[union-attr]
+        return staging
+
+    def _host_half(self, target: torch.Tensor) -> torch.Tensor:
+        """Where the fused copy-out writes: the partition itself when it lives on the CPU."""
+        if target.device.type == "cpu" and target.is_contiguous():
+            return target
+        return self._staging_buffer("half", target.numel(), target.dtype)
+
+    def _to_partition(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        if source.data_ptr() == target.data_ptr():
+            return
+        if target.device.type == "cpu":
+            target.copy_(source)
+            return
+        with self.accelerator.stream(self._side_stream):
+            target.copy_(source, non_blocking=True)
+        self._side_stream.synchronize()  # type: ignore[union-attr]
+
+    def _staging_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._staging.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = torch.empty(self.unit_numel, dtype=dtype, pin_memory=self._pin)
+            self._staging[name] = buffer
+        return buffer.narrow(0, 0, numel)
+
+    # --- materialised views (checkpoints) ------------------------------------------------------------
+    @torch.no_grad()
+    def master_partition(self, index: int) -> torch.Tensor:
+        """The fp32 master of registered partition `index`, as one new CPU tensor."""
+        pieces = []
+        for unit in self._units_in_order(self._partition_units[index]):
+            pieces.append(unit.master.detach().clone())
+            self._release(unit, dirty=False)
+        return torch.cat(pieces)
+
+    @torch.no_grad()
+    def load_master_partition(self, index: int, values: torch.Tensor) -> None:
+        """Set the fp32 master of partition `index` (full numel) and refresh the partition from it."""
+        partition = self.partitions[index]
+        for unit in self._units_in_order(self._partition_units[index]):
+            unit.master.copy_(values.narrow(0, unit.offset, unit.numel))
+            partition.narrow(0, unit.offset, unit.numel).copy_(unit.master)
+            self._release(unit)
+        self._flush()
+
+    def refresh_from_partitions(self) -> None:
+        """Re-derive every master from its (just loaded) low-precision partition."""
+        for index, partition in enumerate(self.partitions):
+            self.load_master_partition(index, partition.detach().to("cpu", _FP32))
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state_dict as it would be with one param per partition."""
+        state: dict[int, dict[str, Any]] = {}
+        for index, uids in enumerate(self._partition_units):
+            merged = self._merged_state(uids)
+            if merged:
+                state[index] = merged
+        groups, by_group = [], self._partitions_by_group()
+        for group in self.optimizer.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            groups.append({**saved, "params": by_group.get(id(group), [])})
+        return {"state": state, "param_groups": groups}
+
+    def _merged_state(self, uids: list[int]) -> dict[str, Any]:
+        pieces: dict[str, list[torch.Tensor]] = {}
+        scalars: dict[str, Any] = {}
+        for unit in self._units_in_order(uids):
+            for key, value in self.optimizer.state.get(unit.master, {}).items():
+                if _is_state_tensor(value):
+                    pieces.setdefault(key, []).append(value.detach().clone())
+                else:
+                    scalars.setdefault(key, value.clone() if torch.is_tensor(value) else value)
+            self._release(unit, dirty=False)
+        if self.swapper is not None and scalars.get("step", 0) == 0:
+            return {}     # never stepped: the state is the zeros created with the files
+        return {**scalars, **{key: torch.cat(values) for key, values in pieces.items()}}
+
+    def _partitions_by_group(self) -> dict[int, list[int]]:
+        by_group: dict[int, list[int]] = {}
+        for index, uids in enumerate(self._partition_units):
+            by_group.setdefault(id(self.units[uids[0]].group), []).append(index)
+        return by_group
+
+    @torch.no_grad()
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        saved_state = {int(key): value for key, value in state_dict["state"].items()}
+        for index, uids in enumerate(self._partition_units):
+            entry = saved_state.get(index, {})
+            for unit in self._units_in_order(uids):
+                self._load_unit_state(unit, entry)
+                self._release(unit)
+        self._flush()
+
+    def _load_unit_state(self, unit: _Unit, entry: dict[str, Any]) -> None:
+        state = self.optimizer.state[unit.master]
+        for key, value in entry.items():
+            if _is_state_tensor(value):
+                piece = value.reshape(-1).narrow(0, unit.offset, unit.numel)
+                existing = state.get(key)
+                if existing is not None and existing.numel() == unit.numel:
+                    existing.copy_(piece)      # under nvme: the staging buffer, written back below
+                else:
+                    state[key] = piece.to(_FP32).clone()
+            else:
+                state[key] = value.clone() if torch.is_tensor(value) else value
+
+    def _flush(self) -> None:
+        if self.swapper is not None:
+            self.swapper.flush()
+
+    # --- accounting / cleanup ------------------------------------------------------------------------
+    def resident_state_bytes(self) -> int:
+        """Bytes of master and optimizer-state tensors in RAM right now (staging buffers aside)."""
+        total = 0
+        for unit in self.units:
+            total += unit.master.numel() * unit.master.element_size()
+            for value in self.optimizer.state.get(unit.master, {}).values():
+                if _is_state_tensor(value):
+                    total += value.numel() * value.element_size()
+        return total
+
+    def memory_breakdown(self) -> dict[str, int]:
+        masters = sum(u.master.numel() * u.master.element_size() for u in self.units)
+        return {"master_params": masters, "optimizer_states": self.resident_state_bytes() - masters,
+                "staging_buffers": self.swapper.staging_bytes if self.swapper is not None else 0}
+
+    def close(self) -> None:
+        """Wait for I/O and remove the swap files (also done at garbage collection and exit)."""
+        if self.swapper is not None:
+            self.swapper.close()
+
+
+def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group: Any, module: torch.nn.Module,
+                         param_dtype: torch.dtype) -> OffloadStates | None:
+    """The host-memory check (always, when anything is offloaded), then the holder when the
+    optimizer is offloaded; None without optimizer offload."""
+    from zerospeed import comm
+    from zerospeed.runtime.zero.host_memory_check import (
+        check_host_memory,
+        local_ranks_from_env,
+        plan_host_bytes,
+    )
+
+    zero_config = config.zero_config
+    block = zero_config.offload_optimizer
+    numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
+    num_states = len(getattr(optimizer, "STATE_NAMES", ("exp_avg", "exp_avg_sq")))
+    element_bytes = torch.empty(0, dtype=param_dtype).element_size()
+    check_host_memory(plan_host_bytes(numel, comm.get_world_size(dp_group), zero_config, num_states,
+                                      element_bytes, local_ranks_from_env()))
+    if block is None or not block.enabled:
+        return None
+    swap_name = f"rank{comm.get_rank():02d}_pid{os.getpid()}"
+    return OffloadStates(optimizer, block, config.aio_config, int(zero_config.sub_group_size), swap_name)
