@@ -44,6 +44,7 @@ class RunSpec:
     warmup: int = 3
     micro_batch: int = 4
     world_size: int = 2
+    zero_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra zero_optimization keys
 
     @property
     def label(self) -> str:
@@ -85,10 +86,14 @@ class _CollectiveCounter:
                 setattr(dist, name, self._wrap(original, arg_index))
 
     def _wrap(self, fn: Any, arg_index: int) -> Any:
+        keywords = ("tensor", "output", "output_tensor") if arg_index == 0 else ("input", "input_tensor")
+
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.active and len(args) > arg_index and torch.is_tensor(args[arg_index]):
-                tensor = args[arg_index]
-                self.bytes += tensor.numel() * tensor.element_size()
+            if self.active:
+                tensor = args[arg_index] if len(args) > arg_index else \
+                    next((kwargs[k] for k in keywords if k in kwargs), None)
+                if torch.is_tensor(tensor):
+                    self.bytes += tensor.numel() * tensor.element_size()
             return fn(*args, **kwargs)
 
         return counted
@@ -127,7 +132,7 @@ def _ds_config(spec: RunSpec) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": spec.micro_batch, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01,
                                                    "torch_adam": True}},
-        "gradient_clipping": 0.0, "zero_optimization": {"stage": spec.stage},
+        "gradient_clipping": 0.0, "zero_optimization": {"stage": spec.stage, **spec.zero_overrides},
     }
     if spec.dtype == "bf16":
         config["bf16"] = {"enabled": True}
@@ -165,9 +170,9 @@ def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter) -
         engine, _, _, _ = zerospeed.initialize(model=model, config=config)
         return engine, engine.backward, engine.step
     if spec.system == "deepspeed":
+        counter.install()  # before the import: deepspeed.comm binds torch.distributed's functions
         import deepspeed
 
-        counter.install()
         engine, _, _, _ = deepspeed.initialize(model=model, config=_ds_config(spec))
         return engine, engine.backward, engine.step
     raise ValueError(spec.system)

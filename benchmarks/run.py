@@ -10,6 +10,7 @@ step per rank and the final loss, each run's ratios against each peer, medians o
 from __future__ import annotations
 
 import argparse
+import json
 import importlib.util
 import statistics
 from collections import defaultdict
@@ -28,7 +29,7 @@ def parse_system(text: str, args: argparse.Namespace) -> RunSpec:
     if name.endswith("-bf16"):
         name, dtype = name[:-5], "bf16"
     return RunSpec(system=name, stage=int(stage or 0), dtype=dtype, model=args.model, steps=args.steps,
-                   warmup=args.warmup, micro_batch=args.micro_batch)
+                   warmup=args.warmup, micro_batch=args.micro_batch, zero_overrides=json.loads(args.zero))
 
 
 def available(spec: RunSpec) -> bool:
@@ -47,11 +48,19 @@ def median_results(results: list[RunResult]) -> RunResult:
                                                    "final_loss")))
 
 
+def _same_stage_deepspeed(row: RunResult, by_label: dict[str, RunResult]) -> RunResult | None:
+    if not row.label.startswith("zerospeed"):
+        return None
+    return by_label.get(row.label.replace("zerospeed", "deepspeed", 1))
+
+
 def print_table(rows: list[RunResult], peers: list[str]) -> None:
-    header = f"| system | step s | CPU s | peak RSS MiB | comm MiB/step | final loss |"
-    header += "".join(f" step / {p} | RSS / {p} |" for p in peers)
+    """One row per system: absolute figures, then step-time and RSS ratios against each peer and
+    against DeepSpeed at the same stage and dtype."""
+    header = "| system | step s | CPU s | peak RSS MiB | comm MiB/step | final loss |"
+    header += "".join(f" step / {p} | RSS / {p} |" for p in peers) + " step / DS same stage | RSS / DS same stage |"
     print(header)
-    print("|" + "---|" * (6 + 2 * len(peers)))
+    print("|" + "---|" * (8 + 2 * len(peers)))
     by_label = {r.label: r for r in rows}
     for row in rows:
         line = (f"| {row.label} | {row.step_s:.3f} | {row.cpu_s:.3f} | {row.peak_rss_mib:.0f} | "
@@ -59,6 +68,9 @@ def print_table(rows: list[RunResult], peers: list[str]) -> None:
         for peer in peers:
             ref = by_label[peer]
             line += f" {row.step_s / ref.step_s:.2f} | {row.peak_rss_mib / ref.peak_rss_mib:.2f} |"
+        same = _same_stage_deepspeed(row, by_label)
+        line += (f" {row.step_s / same.step_s:.2f} | {row.peak_rss_mib / same.peak_rss_mib:.2f} |" if same
+                 else " | |")
         print(line)
 
 
@@ -70,6 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro_batch", type=int, default=4)
+    parser.add_argument("--zero", default="{}", help="extra zero_optimization keys (JSON) for zerospeed and DeepSpeed")
     args = parser.parse_args()
     specs = [parse_system(s, args) for s in args.systems]
     skipped = [s.label for s in specs if not available(s)]
@@ -84,7 +97,7 @@ def main() -> None:
             collected[spec.label].append(result)
             print(f"round {round_index + 1}: {result}", flush=True)
     rows = [median_results(collected[s.label]) for s in specs]
-    peers = [label for label in ("ddp", "fsdp2", "deepspeed-z0") if label in collected]
+    peers = [label for label in ("ddp", "fsdp2") if label in collected]
     print(f"\nmodel={args.model} ({MODELS[args.model]}), 2 ranks x 1 thread, gloo, medians over {args.rounds} rounds")
     print_table(rows, peers)
 
