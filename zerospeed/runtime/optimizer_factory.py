@@ -120,11 +120,14 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
         from zerospeed.runtime.data_parallel import DataParallelOptimizer
 
         return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size)
+    from zerospeed.runtime.zero.offload_states import build_offload_states
+
+    offload = build_offload_states(basic, config, dp_group, module, precision.param_dtype)  # checks host RAM
     if stage in (1, 2):
         from zerospeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
         return DeepSpeedZeroOptimizer(basic, zero_config, precision, loss_scaler, dp_group,
-                                      partition_grads=stage == 2, param_names=param_names)
+                                      partition_grads=stage == 2, param_names=param_names, offload=offload)
     from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,

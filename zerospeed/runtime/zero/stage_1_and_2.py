@@ -24,7 +24,9 @@ buffer and all-gathers it in `allgather_bucket_size` chunks.
 With fp32 parameters the master partition *is* this rank's partition of the flat parameter
 buffer (a view, not a copy): the ZeRO paper's accounting (fp32 Adam: 4 Psi params + 8 Psi/N
 states, with 4 Psi or 4 Psi/N grads) and no copy-back after the step. With fp16/bf16
-parameters the master is a separate fp32 clone.
+parameters the master is a separate fp32 clone. With `offload_optimizer` the masters and the
+optimizer state belong to `OffloadStates` (offload_states.py, host memory or NVMe): the wrapper
+hands it the partitioned gradients at the step, and `_FlatGroup.master` is just the lp partition.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
+from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.zero.partition import (
     GroupLayout,
     Slab,
@@ -90,7 +93,7 @@ class _ZeroSettings:
 
 
 # Keys DeepSpeed's stage 1/2 honours that this implementation does not (value that is a no-op here).
-_NOT_IMPLEMENTED = {"offload_optimizer": None, "elastic_checkpoint": False, "parameter_alignment": False,
+_NOT_IMPLEMENTED = {"elastic_checkpoint": False, "parameter_alignment": False,
                     "zero_quantized_gradients": False, "zero_quantized_weights": False,
                     "zero_hpz_partition_size": 1}
 
@@ -106,8 +109,9 @@ def _warn_ignored(zero_config: Any) -> None:
 class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
-                 param_names: dict[torch.nn.Parameter, str]) -> None:
+                 param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self.offload = offload
         self.precision = precision
         self.settings = _ZeroSettings.from_config(zero_config)
         _warn_ignored(zero_config)
@@ -142,8 +146,12 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         start, part_numel = layout.partition_start(self.dp_rank), layout.partition_numel
         lp_partition = lp_flat.narrow(0, start, part_numel)
         # [Note: fp32 master sharing]
-        master = lp_partition if dtype == _MASTER_DTYPE else lp_partition.to(_MASTER_DTYPE).clone()
-        group["params"] = [master]
+        if self.offload is not None:
+            group["params"] = self.offload.register(group, lp_partition)
+            master = lp_partition
+        else:
+            master = lp_partition if dtype == _MASTER_DTYPE else lp_partition.to(_MASTER_DTYPE).clone()
+            group["params"] = [master]
         grads_numel = part_numel if self.partition_gradients else layout.padded_numel
         grads = torch.zeros(grads_numel, dtype=self.precision.grad_accum_dtype, device=device)
         names = [param_names.get(p, f"group{group_index}.param{i}") for i, p in enumerate(params)]
@@ -238,6 +246,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         scaled_norm = global_norm(grads, group=self.dp_process_group, partitioned=True)
         self._global_grad_norm = scaled_norm / scale
         combined = unscale_and_clip_factor(scaled_norm, scale, self.clip_grad)
+        if self.offload is not None:
+            self.offload.step(grads, 1.0 / combined)
+            self._publish_params()
+            return
         for group, grad in zip(self.groups, grads):
             group.master.grad = grad if grad.dtype == group.master.dtype else grad.to(group.master.dtype)
         scale_([g.master.grad for g in self.groups], 1.0 / combined)
@@ -299,6 +311,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             "master_params": tensor_bytes(masters),
             "optimizer_states": tensor_bytes(optimizer_state_tensors(self.optimizer)),
         }
+        if self.offload is not None:
+            offloaded = self.offload.memory_breakdown()
+            breakdown.update(master_params=offloaded["master_params"], optimizer_states=offloaded["optimizer_states"])
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 
@@ -309,10 +324,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             "dynamic_loss_scale": self.loss_scaler.dynamic,
             "overflow": self.overflow,
             "clip_grad": self.clip_grad,
-            "base_optimizer_state": self.optimizer.state_dict(),
+            "base_optimizer_state": self.offload.optimizer_state_dict() if self.offload is not None
+            else self.optimizer.state_dict(),
             "single_partition_of_fp32_groups": [
-                g.master.narrow(0, 0, g.layout.partition_numel - g.padding).detach().clone()
-                for g in self.groups],
+                self._fp32_partition(i).narrow(0, 0, g.layout.partition_numel - g.padding).detach().clone()
+                for i, g in enumerate(self.groups)],
             "zero_stage": self.zero_stage,
             "group_paddings": [g.padding for g in self.groups],
             "partition_count": [self.dp_world_size for _ in self.groups],
@@ -320,6 +336,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             "param_slice_mappings": [self._slice_mappings(g) for g in self.groups],
             "param_alignment_paddings": [[0] * len(g.params) for g in self.groups],
         }
+
+    def _fp32_partition(self, index: int) -> torch.Tensor:
+        if self.offload is not None:
+            return self.offload.master_partition(index)
+        return self.groups[index].master
 
     def _slice_mappings(self, group: _FlatGroup) -> dict[str, dict[str, int]]:
         return {group.names[f.param_index]: {"numel": f.numel, "start": f.partition_start}
@@ -331,9 +352,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self.overflow = bool(state_dict["overflow"])
         self.clip_grad = float(state_dict.get("clip_grad", self.clip_grad))
         if load_optimizer_states:
-            self.optimizer.load_state_dict(state_dict["base_optimizer_state"])
-        for group, saved in zip(self.groups, state_dict["single_partition_of_fp32_groups"]):
-            if self.settings.load_from_fp32_weights:
+            if self.offload is not None:
+                self.offload.load_optimizer_state_dict(state_dict["base_optimizer_state"])
+            else:
+                self.optimizer.load_state_dict(state_dict["base_optimizer_state"])
+        for index, (group, saved) in enumerate(zip(self.groups, state_dict["single_partition_of_fp32_groups"])):
+            if self.offload is not None:
+                full = group.lp_partition.detach().to("cpu", _MASTER_DTYPE)
+                if self.settings.load_from_fp32_weights:
+                    full = torch.zeros_like(full)
+                    full.narrow(0, 0, saved.numel()).copy_(saved)
+                self.offload.load_master_partition(index, full)
+            elif self.settings.load_from_fp32_weights:
                 group.master.narrow(0, 0, saved.numel()).copy_(saved)
                 group.master.narrow(0, saved.numel(), group.master.numel() - saved.numel()).zero_()
             elif group.master.data_ptr() != group.lp_partition.data_ptr():

