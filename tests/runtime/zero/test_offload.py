@@ -100,7 +100,7 @@ def _offload_runs(stage, nvme_path):
     return results
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizer_offload_equals_no_offload(stage, tmp_path):
     results = run_on_ranks(_offload_runs, WORLD_SIZE, stage, str(tmp_path))
     for rank_results in results:
@@ -138,7 +138,7 @@ def _resume(stage, tmp_path):
     return outcomes, leftovers
 
 
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_nvme_checkpoint_round_trip_is_exact(stage, tmp_path):
     for outcomes, leftovers in run_on_ranks(_resume, WORLD_SIZE, stage, str(tmp_path)):
         assert outcomes == [True, True]

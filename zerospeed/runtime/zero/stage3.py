@@ -18,6 +18,10 @@ two in flight, each only ever `wait()`ed (gloo). Results are added into `grad_fl
 The step: overflow (fp16), global norm over the partitions (squares summed over ranks), unscale
 and clip, base optimizer, copy to `lp_flat`, re-gather the persistent parameters. Nothing else
 is gathered: parameters stay partitioned until the next forward fetches them.
+
+With `offload_optimizer` the fp32 masters and optimizer state of every sub-group belong to
+`OffloadStates` (offload_states.py: host memory or NVMe, stepped by the CPU optimizer, which writes
+`lp_flat[k]` back); `fp32_flat[k]` is then only a stand-in wrapping `lp_flat[k]`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.config import ZeroStageEnum
+from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span, set_partition
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.version import __version__
@@ -77,8 +82,10 @@ class _InFlight:
 class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
-                 param_names: dict[torch.nn.Parameter, str] | None = None) -> None:
+                 param_names: dict[torch.nn.Parameter, str] | None = None,
+                 offload: OffloadStates | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self.offload = offload
         self.precision = precision
         self.zero_config = zero_config
         self.dp_group = dp_group
@@ -101,7 +108,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         for group in self.optimizer.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
             cuts = plan_sub_groups([p.partition_numel() for p in trainable], int(self.zero_config.sub_group_size))
-            group["params"] = [self._build_sub_group([trainable[i] for i in cut]) for cut in cuts]
+            masters = [self._build_sub_group([trainable[i] for i in cut]) for cut in cuts]
+            if self.offload is not None:
+                masters = [unit for master in masters for unit in self.offload.register(group, master.data)]
+            group["params"] = masters
 
     def _build_sub_group(self, params: list[ZeroParameter]) -> torch.nn.Parameter:
         index = len(self.fp16_groups)
@@ -113,7 +123,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             set_partition(param, lp.narrow(0, offset, size))
             self._slots[id(param)] = _Slot(index, offset)
             offset += size
-        master = torch.nn.Parameter(lp if dtype == torch.float32 else lp.float())
+        master = torch.nn.Parameter(lp if dtype == torch.float32 or self.offload is not None else lp.float())
         self.fp16_groups.append(params)
         self.lp_flat.append(lp)
         self.fp32_flat.append(master)
@@ -236,6 +246,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True)
         self._global_grad_norm = scaled_norm / self.loss_scale
         divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
+        if self.offload is not None:
+            self.offload.step(grads, 1.0 / divisor)
+            self._publish_masters()
+            return
         for master, grad in zip(self.fp32_flat, grads):
             master.grad = grad if grad.dtype == master.dtype else grad.float()
         scale_([m.grad for m in self.fp32_flat], 1.0 / divisor)
@@ -268,30 +282,44 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             "dynamic_loss_scale": self.loss_scaler.dynamic,
             "overflow": self.overflow,
             "partition_count": self.world_size,
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "fp32_flat_groups": [m.detach().float().clone() for m in self.fp32_flat],
+            "optimizer_state_dict": self.offload.optimizer_state_dict() if self.offload is not None
+            else self.optimizer.state_dict(),
+            "fp32_flat_groups": [self._fp32_flat_group(k) for k in range(len(self.fp32_flat))],
             "clip_grad": self.clip_grad,
             "ds_version": __version__,
         }
+
+    def _fp32_flat_group(self, index: int) -> torch.Tensor:
+        if self.offload is not None:
+            return self.offload.master_partition(index)
+        return self.fp32_flat[index].detach().float().clone()
 
     def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
         if int(state_dict.get("partition_count", self.world_size)) != self.world_size:
             raise ValueError(f"checkpoint was saved with {state_dict['partition_count']} partitions, "
                              f"this run has {self.world_size}: re-partition it with the checkpoint tools")
-        if load_optimizer_states:
+        if load_optimizer_states and self.offload is not None:
+            self.offload.load_optimizer_state_dict(state_dict["optimizer_state_dict"])
+        elif load_optimizer_states:
             self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.overflow = bool(state_dict.get("overflow", False))
         if self.zero_config.load_from_fp32_weights:
             with torch.no_grad():
-                for master, saved in zip(self.fp32_flat, state_dict["fp32_flat_groups"]):
-                    master.copy_(saved)
+                for index, (master, saved) in enumerate(zip(self.fp32_flat, state_dict["fp32_flat_groups"])):
+                    if self.offload is not None:
+                        self.offload.load_master_partition(index, saved)
+                    else:
+                        master.copy_(saved)
             self._publish_masters()
         else:
             self.refresh_fp32_params()
 
     def refresh_fp32_params(self) -> None:
         """Re-derive the fp32 masters from the (just loaded) low-precision partitions."""
+        if self.offload is not None:
+            self.offload.refresh_from_partitions()
+            return
         with torch.no_grad():
             for master, lp in zip(self.fp32_flat, self.lp_flat):
                 if master.data_ptr() != lp.data_ptr():
@@ -307,6 +335,9 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             "persistent_params": tensor_bytes([p.data for p in self.parameter_offload.params
                                                if p.zs_state.persist]),
         }
+        if self.offload is not None:
+            offloaded = self.offload.memory_breakdown()
+            breakdown.update(master_params=offloaded["master_params"], optimizer_states=offloaded["optimizer_states"])
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 
