@@ -18,7 +18,12 @@ def config_for(stage, dtype, world_size):
     return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
-            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, **PRECISION[dtype]}
+            "gradient_clipping": 1.0, "zero_optimization": zero_section(stage), **PRECISION[dtype]}
+
+
+def zero_section(stage):
+    # threshold 0: even the tiny test model's params are partitioned at stage 3
+    return {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
 
 
 def make_engine(stage, dtype, seed=0):

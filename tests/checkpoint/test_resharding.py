@@ -21,9 +21,9 @@ def _save_then_continue(stage, dtype, save_dir):
     return train(engine, BATCHES[STEPS_BEFORE:])
 
 
-def _load_resave_continue(stage, dtype, save_dir, resave_dir):
+def _load_resave_continue(stage, dtype, save_dir, resave_dir, load_optimizer_states=True):
     engine = make_engine(stage, dtype, seed=9)
-    engine.load_checkpoint(save_dir)
+    engine.load_checkpoint(save_dir, load_optimizer_states=load_optimizer_states)
     engine.save_checkpoint(resave_dir)
     return train(engine, BATCHES[STEPS_BEFORE:])
 
@@ -45,7 +45,8 @@ def assert_same_full_state(a, b):
 
 
 CASES = [((2, 2), (1, 2)), ((1, 1), (2, 1)), ((2, 2), (4, 2)), ((4, 1), (2, 2)), ((3, 2), (2, 1)),
-         ((2, 0), (2, 2)), ((2, 2), (2, 0)), ((1, 2), (3, 0))]
+         ((2, 0), (2, 2)), ((2, 2), (2, 0)), ((1, 2), (3, 0)),
+         ((2, 3), (2, 2)), ((1, 1), (3, 3)), ((2, 3), (1, 3)), ((2, 3), (4, 3))]
 
 
 @pytest.mark.parametrize("before,after", CASES, ids=lambda c: f"w{c[0]}s{c[1]}")
@@ -63,3 +64,14 @@ def test_reshard_bf16_stage_and_size_change(tmp_path):
     run_on_ranks(_save_then_continue, 2, 2, "bf16", str(tmp_path / "a"))
     run_on_ranks(_load_resave_continue, 1, 1, "bf16", str(tmp_path / "a"), str(tmp_path / "b"))
     assert_same_full_state(full_state(tmp_path / "a"), full_state(tmp_path / "b"))
+
+
+def test_stage3_without_optimizer_states_rebuilds_weights_from_optim_files(tmp_path):
+    """Stage-3 model files hold empty tensors: the weights come from the saved fp32 masters."""
+    run_on_ranks(_save_then_continue, 2, 3, "fp32", str(tmp_path / "a"))
+    run_on_ranks(_load_resave_continue, 1, 3, "fp32", str(tmp_path / "a"), str(tmp_path / "b"), False)
+    saved, resaved = full_state(tmp_path / "a"), full_state(tmp_path / "b")
+    assert saved.fp32.keys() == resaved.fp32.keys()
+    for name in saved.fp32:
+        assert torch.equal(saved.fp32[name], resaved.fp32[name]), name
+    assert not resaved.moments   # fresh optimizer: no moments were loaded

@@ -7,13 +7,17 @@ Resharding goes through one representation: for every trainable parameter its fu
 e.g. step), plus the hyperparameters of each param group. Exporters read saved files of any
 stage and data-parallel size into it; importers cut from it the state dict the *current*
 wrapper's `load_state_dict` expects (see zero_checkpoint.py). A tensor state counts as
-per-element when it has as many elements as the partition (stage 1/2) or the parameter (stage 0).
+per-element when it has as many elements as the partition (stage 1/2), the sub-group flat
+(stage 3) or the parameter (stage 0). At stage 3 a parameter of `numel` elements is cut into
+ceil(numel / W) elements per rank, at the same offset of every rank's sub-group flat; the last
+ranks' chunks end in padding, which the export drops and the import writes as zeros.
 The representation holds the whole model's fp32 state on each rank while a resharded load runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +25,8 @@ import torch
 
 from zerospeed.checkpoint import constants as C
 
-__all__ = ["FullOptimizerState", "export_stage0", "export_zero12", "fragment_bounds", "merge_param_shapes"]
+__all__ = ["FullOptimizerState", "export_stage0", "export_zero12", "export_zero3", "fragment_bounds",
+           "merge_param_shapes"]
 
 
 @dataclasses.dataclass
@@ -75,7 +80,8 @@ def export_stage0(optimizer_state: dict[str, Any], module_state: dict[str, torch
 def _join_moments(full: FullOptimizerState) -> None:
     for name, by_key in full.moments.items():
         for key, parts in list(by_key.items()):
-            by_key[key] = torch.cat(parts).view(full.fp32[name].shape)  # type: ignore[arg-type]
+            shape = full.fp32[name].shape   # stage 3: the last chunks carry padding past numel
+            by_key[key] = torch.cat(parts).narrow(0, 0, math.prod(shape)).view(shape)  # type: ignore[arg-type]
 
 
 def _split_state(full: FullOptimizerState, name: str, state: dict[str, Any], per_element_numel: int,
@@ -119,3 +125,32 @@ def _export_zero12_rank(state: dict[str, Any], full: FullOptimizerState, pieces:
             _split_state(full, name, group_state, partition_numel, (start, numel))
             if not first_rank and scalars_before:
                 full.scalars[name] = scalars_before   # scalar state is the same on every rank: keep rank 0's
+
+
+def export_zero3(optim_states: Iterable[dict[str, Any]], param_shapes: Any, dp_world_size: int) -> FullOptimizerState:
+    """From every rank's ZeRO-3 `optimizer_state_dict`, read one at a time in dp-rank order.
+    `param_shapes` is one name -> shape dict per sub-group, in flat order (the model file's)."""
+    groups = param_shapes if isinstance(param_shapes, list) else [param_shapes]
+    full = FullOptimizerState()
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for dp_rank, state in enumerate(optim_states):
+        base = state[C.OPTIMIZER_STATE_DICT]
+        if dp_rank == 0:
+            full.param_groups = _hyperparams(base["param_groups"])
+            full.loss_scaler, full.overflow = state.get(C.LOSS_SCALER), bool(state.get("overflow", False))
+        indices = [index for group in base["param_groups"] for index in group["params"]]
+        for k, (flat, shapes) in enumerate(zip(state[C.FP32_FLAT_GROUPS], groups)):
+            sub_group_state = base["state"].get(indices[k], {})
+            offset = 0
+            for name, shape in shapes.items():
+                chunk_numel = -(-math.prod(shape) // dp_world_size)
+                pieces.setdefault(name, []).append(flat.narrow(0, offset, chunk_numel).float())
+                scalars_before = dict(full.scalars.get(name, {}))
+                _split_state(full, name, sub_group_state, flat.numel(), (offset, chunk_numel))
+                if dp_rank > 0 and scalars_before:
+                    full.scalars[name] = scalars_before   # the same on every rank: keep rank 0's
+                offset += chunk_numel
+    for name, shape in merge_param_shapes(groups).items():
+        full.fp32[name] = torch.cat(pieces[name]).narrow(0, 0, math.prod(shape)).view(shape)
+    _join_moments(full)
+    return full

@@ -41,13 +41,15 @@ def shared_param_names(module: torch.nn.Module) -> dict[str, str]:
 
 
 def _param_shapes(engine: Any) -> list[OrderedDict[str, torch.Size]]:
+    if hasattr(engine.optimizer, "param_shapes"):   # stage 3: the module's params are (0,) placeholders
+        return [OrderedDict(group) for group in engine.optimizer.param_shapes()]
     named = dict(engine.module.named_parameters())
     return [OrderedDict((name, named[name].shape) for name in group) for group in trainable_names_per_group(engine)]
 
 
 def _frozen(engine: Any) -> tuple[OrderedDict[str, torch.Size], dict[str, torch.Tensor]]:
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
-    return (OrderedDict((n, p.shape) for n, p in frozen),
+    return (OrderedDict((n, getattr(p, "ds_shape", p.shape)) for n, p in frozen),
             {n: getattr(p, "ds_tensor", p).detach().cpu() for n, p in frozen})
 
 

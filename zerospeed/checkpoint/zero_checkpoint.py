@@ -18,9 +18,11 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint.full_state import FullOptimizerState, export_stage0, export_zero12, fragment_bounds
+from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, export_zero3, export_zero12,
+                                             fragment_bounds)
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
+from zerospeed.runtime.zero.param_state import rank_span
 
 __all__ = ["SavedLayout", "discover", "load_optimizer_state", "trainable_names_per_group"]
 
@@ -70,9 +72,7 @@ def stage0_param_names(engine: Any) -> tuple[list[list[str]], list[list[bool]]]:
     """Names of every param in the stage-0 base optimizer's groups (masters named by their lp
     param) and whether each is trainable: the key from torch's indexed state to names."""
     wrapper = engine.optimizer
-    lp_params = getattr(wrapper, "_lp_params", [])
-    masters = getattr(wrapper, "_masters", lp_params)
-    name_of = {id(m): engine.param_names[p] for m, p in zip(masters, lp_params)}
+    name_of = {id(master): engine.param_names[param] for param, master in wrapper.params_and_masters()}
     name_of.update({id(p): n for p, n in engine.param_names.items()})
     names = [[name_of[id(p)] for p in g["params"]] for g in wrapper.optimizer.param_groups]
     trainable = [[p.requires_grad for p in g["params"]] for g in wrapper.optimizer.param_groups]
@@ -91,7 +91,7 @@ def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str,
                          load_optimizer_states: bool) -> None:
     stage, dp_rank = engine.zero_optimization_stage(), _dp_rank(engine)
     if not load_optimizer_states:
-        _restore_from_module(engine)
+        _restore_weights(engine, saved, model_state)
         return
     same_partitioning = saved.zero_stage == stage and (stage == 0 or saved.dp_world_size == engine.dp_world_size)
     if same_partitioning and not _stage0_precision_changed(engine, saved, model_state):
@@ -102,10 +102,6 @@ def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str,
             own = load_file(saved.optim_files[dp_rank])[C.OPTIMIZER_STATE_DICT]
             engine.optimizer.load_state_dict(own, load_optimizer_states=True)
         return
-    if stage >= 3 or saved.zero_stage >= 3:
-        raise NotImplementedError(f"resharding ZeRO-3 checkpoints is not implemented yet (saved: stage "
-                                  f"{saved.zero_stage} on {saved.dp_world_size} ranks; this run: stage {stage} "
-                                  f"on {engine.dp_world_size})")
     import_full_state(engine, export_full_state(saved, model_state), load_optimizer_states=True)
 
 
@@ -121,12 +117,24 @@ def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOp
     if saved.zero_stage in (1, 2):
         verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
         return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])
-    raise NotImplementedError("resharding a ZeRO-3 checkpoint lands with stage3.py")
+    verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
+    return export_zero3(_each_optim_state(saved), model_state[C.PARAM_SHAPES], saved.dp_world_size)
 
 
 def _each_optim_state(saved: SavedLayout) -> Iterator[dict[str, Any]]:
     for path in saved.optim_files:
         yield load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
+
+
+def _restore_weights(engine: Any, saved: SavedLayout, model_state: dict[str, Any]) -> None:
+    """No optimizer state wanted: the weights come from the module file, except when either side is
+    ZeRO-3, whose module file holds empty tensors: then from the fp32 masters of the optim files
+    (DeepSpeed rebuilds them with zero_to_fp32, §3.8). Moments and loss scale stay fresh."""
+    if saved.zero_stage >= 3 or engine.zero_optimization_stage() >= 3:
+        masters = FullOptimizerState(fp32=export_full_state(saved, model_state).fp32)
+        import_full_state(engine, masters, load_optimizer_states=False)
+        return
+    _restore_from_module(engine)
 
 
 def _restore_from_module(engine: Any) -> None:
@@ -140,10 +148,13 @@ def _restore_from_module(engine: Any) -> None:
 
 
 def import_full_state(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
-    if engine.zero_optimization_stage() == 0:
+    stage = engine.zero_optimization_stage()
+    if stage == 0:
         _import_stage0(engine, full, load_optimizer_states)
-    else:
+    elif stage in (1, 2):
         _import_zero12(engine, full, load_optimizer_states)
+    else:
+        _import_zero3(engine, full, load_optimizer_states)
 
 
 def _common(current: dict[str, Any], full: FullOptimizerState) -> dict[str, Any]:
@@ -227,6 +238,37 @@ def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states:
     base["state"] = state
     base["param_groups"] = _with_hyperparams(base["param_groups"], full)
     current[C.PARTITION_COUNT] = [engine.dp_world_size] * len(current[C.SINGLE_PARTITION_OF_FP32_GROUPS])
+    wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
+
+
+def _import_zero3(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
+    """Cut this rank's chunk of every parameter ([Note: full layout]) into its sub-group flats;
+    padding stays zero. The wrapper copies the masters into its partitions on load."""
+    wrapper = engine.optimizer
+    current = _common(wrapper.state_dict(), full)
+    dp_rank, base = _dp_rank(engine), current[C.OPTIMIZER_STATE_DICT]
+    indices = [index for group in base["param_groups"] for index in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for k, params in enumerate(wrapper.fp16_groups):
+        flat = torch.zeros_like(current[C.FP32_FLAT_GROUPS][k])
+        moments: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        offset = 0
+        for param in params:
+            name = engine.param_names[param]
+            start, real_numel = rank_span(param.ds_numel, engine.dp_world_size, dp_rank)
+            flat.narrow(0, offset, real_numel).copy_(_require(full.fp32, name).reshape(-1).narrow(0, start, real_numel))
+            for key, value in full.moments.get(name, {}).items():
+                moment = moments.setdefault(key, torch.zeros(flat.numel(), dtype=value.dtype))
+                moment.narrow(0, offset, real_numel).copy_(value.reshape(-1).narrow(0, start, real_numel))
+            scalars = scalars or _cloned(full.scalars.get(name, {}))
+            offset += param.partition_numel()
+        current[C.FP32_FLAT_GROUPS][k] = flat
+        if moments:
+            state[indices[k]] = {**scalars, **moments}
+    base["state"] = state
+    base["param_groups"] = _with_hyperparams(base["param_groups"], full)
+    current[C.PARTITION_COUNT] = engine.dp_world_size
     wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
 
 

@@ -57,6 +57,10 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         master_of[id(param)] = master
         return master
 
+    def params_and_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(trainable param, its fp32 master) pairs in optimizer order; the same tensor twice in fp32."""
+        return list(zip(self._lp_params, self._masters))
+
     # --- gradients ----------------------------------------------------------------------------
     @property
     def _separate_accumulation(self) -> bool:

@@ -111,8 +111,14 @@ class EngineCheckpointing:
         module_state = model_state[C.MODULE]
         if custom_load_fn is not None:
             custom_load_fn(src=module_state, dst=self.module)
-        else:
-            self.module.load_state_dict(module_state, strict=strict)
+            return
+        from_optimizer = _partitioned_names(self.module, module_state)
+        kept = {name: tensor for name, tensor in module_state.items() if name not in from_optimizer}
+        missing, unexpected = self.module.load_state_dict(kept, strict=False)
+        missing = [name for name in missing if name not in from_optimizer]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
 
     def _load_scheduler(self, model_state: dict[str, Any], wanted: bool) -> bool:
         saved = model_state.get(C.LR_SCHEDULER)
@@ -127,6 +133,20 @@ class EngineCheckpointing:
         self.skipped_steps = int(model_state[C.SKIPPED_STEPS])
         self.loaded_checkpoint_dp_world_size = model_state.get(C.DP_WORLD_SIZE)
         self.loaded_checkpoint_mp_world_size = model_state.get(C.MP_WORLD_SIZE)
+
+
+def _partitioned_names(module: torch.nn.Module, saved: dict[str, Any]) -> set[str]:
+    """Entries whose weights come from the optim files, not the module file: this run's partitioned
+    ZeRO-3 params (their data is a (0,) placeholder), and the (0,) placeholders of a stage-3 file
+    loaded at another stage."""
+    own = module.state_dict(keep_vars=True)
+    names = set()
+    for name, tensor in saved.items():
+        mine = own.get(name)
+        if mine is not None and ((mine.numel() == 0 and hasattr(mine, "ds_numel"))
+                                 or (tensor.numel() == 0 and mine.numel() != 0)):
+            names.add(name)
+    return names
 
 
 def _client_state(model_state: dict[str, Any], loaded_optimizer: bool, loaded_scheduler: bool) -> dict[str, Any]:
