@@ -36,7 +36,7 @@ def _batches(num_steps):
             for _ in range(num_steps)]
 
 
-def _engine(stage, offload, dtype="fp32"):
+def _engine(stage, offload, dtype="fp32", offload_param=None):
     torch.manual_seed(0)
     model = MLP()
     groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")]},
@@ -44,6 +44,8 @@ def _engine(stage, offload, dtype="fp32"):
     zero = {"stage": stage, "sub_group_size": UNIT, "reduce_bucket_size": 4000, "param_persistence_threshold": 0}
     if offload is not None:
         zero["offload_optimizer"] = offload
+    if offload_param is not None:
+        zero["offload_param"] = offload_param
     config = {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 0.5, "zero_optimization": zero}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
@@ -82,9 +84,12 @@ def _offload_runs(stage, nvme_path):
     runs = {"none": None, "cpu": {"device": "cpu"}, "nvme": _nvme(nvme_path)}
     if stage == 2:
         runs.update({"bf16-none": None, "bf16-cpu": {"device": "cpu"}})
+    if stage == 3:
+        runs["param-cpu"] = ({"device": "cpu"}, {"device": "cpu"})
     for name, offload in runs.items():
         dtype = "bf16" if name.startswith("bf16") else "fp32"
-        engine = _engine(stage, offload, dtype)
+        offload, offload_param = offload if isinstance(offload, tuple) else (offload, None)
+        engine = _engine(stage, offload, dtype, offload_param)
         losses = _train(engine, batches, dtype)
         figures = None
         holder = getattr(engine.optimizer, "offload", None)

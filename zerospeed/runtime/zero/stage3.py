@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
@@ -116,7 +117,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
     def _build_sub_group(self, params: list[ZeroParameter]) -> torch.nn.Parameter:
         index = len(self.fp16_groups)
         dtype = self.precision.param_dtype
-        lp = torch.cat([p.ds_tensor.to(dtype) for p in params])
+        lp = self._place_partition(torch.cat([p.ds_tensor.to(dtype) for p in params]))
         offset = 0
         for param in params:
             size = param.partition_numel()
@@ -129,6 +130,17 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         self.fp32_flat.append(master)
         self.grad_flat.append(torch.zeros_like(lp, dtype=self.precision.grad_accum_dtype))
         return master
+
+    def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
+        """`offload_param`: the sub-group's partitions live in host memory (pinned with an accelerator)."""
+        block = self.zero_config.offload_param
+        if block is None or not block.enabled:
+            return lp
+        if block.device.value == "nvme":
+            warn_config("zero_optimization.offload_param.device='nvme': parameter swapping to NVMe is not "
+                        "implemented yet; parameter partitions are kept in host memory as with 'cpu'")
+        pin = bool(block.pin_memory) and torch.cuda.is_available()
+        return torch.empty(lp.shape, dtype=lp.dtype, pin_memory=pin).copy_(lp)
 
     def _init_gradient_hooks(self) -> None:
         self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
