@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
