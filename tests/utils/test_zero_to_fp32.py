@@ -51,9 +51,8 @@ def gathered_fp32(engine):
                 full[names[p]] = flat[offset:offset + p.numel()].view(p.shape).clone()
                 offset += p.numel()
         return full
-    masters = getattr(wrapper, "_masters", None)
-    if masters is not None and wrapper.precision.low_precision:
-        return {names[p]: m.detach().clone() for p, m in zip(wrapper._lp_params, masters)}
+    if hasattr(wrapper, "params_and_masters") and wrapper.precision.low_precision:
+        return {names[p]: m.detach().clone() for p, m in wrapper.params_and_masters()}
     return {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from zerospeed.checkpoint.deepspeed_compat import load_deepspeed_file
 from zerospeed.checkpoint.layout import MANIFEST
 
 __all__ = ["CheckpointIntegrityError", "file_entry", "load_file", "read_manifest", "verify_files",
@@ -101,14 +102,18 @@ def verify_files(tag_dir: str, names: list[str] | None = None, checksum: bool = 
 
 
 def load_file(path: str, allow_unpickling: bool | None = None, mmap: bool = False) -> Any:
-    """torch.load with weights_only=True; a file that needs arbitrary unpickling is refused unless
-    the caller opts in (argument, or ZEROSPEED_CHECKPOINT_ALLOW_PICKLE=1)."""
+    """torch.load with weights_only=True (DeepSpeed's checkpoint classes mapped by
+    deepspeed_compat.py); a file that needs any other unpickling is refused unless the caller
+    opts in (argument, or ZEROSPEED_CHECKPOINT_ALLOW_PICKLE=1)."""
     if allow_unpickling is None:
         allow_unpickling = os.environ.get(ALLOW_PICKLE_ENV, "") == "1"
     if not os.path.exists(path):
         raise CheckpointIntegrityError(f"checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError:   # a DeepSpeed file: its four classes as inert stand-ins
+            return load_deepspeed_file(path, mmap=mmap)
     except pickle.UnpicklingError as error:
         if not allow_unpickling:
             raise ValueError(f"checkpoint file {path} needs arbitrary unpickling (it stores Python objects, "

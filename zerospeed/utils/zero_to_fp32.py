@@ -55,9 +55,25 @@ def _natural_key(path: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
 
+class _DeepSpeedObject:
+    """Inert stand-in for the classes DeepSpeed pickles into its optim files (only their fields
+    are kept; ZeroStageEnum is an int): read without arbitrary unpickling or importing DeepSpeed."""
+
+
+class _DeepSpeedStage(int):
+    pass
+
+
+_DEEPSPEED_GLOBALS = [(type(name, (_DeepSpeedObject,), {}), f"{module}.{name}") for module, name in (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"))] + [
+    (_DeepSpeedStage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
+
+
 def _load(path: str) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 - name the file, whatever torch raised
         if "Weights only load failed" in str(error) and os.environ.get(_ALLOW_PICKLE_ENV) == "1":
             return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
