@@ -20,7 +20,7 @@ from gpt import GPT, ByteWindows, GPTConfig, stdlib_bytes  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--save_dir", default="runs/demo")
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=0)
