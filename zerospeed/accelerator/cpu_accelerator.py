@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 import psutil
-import torch
 
 from zerospeed.accelerator.abstract import Accelerator
 
@@ -24,7 +23,7 @@ class _NoopStream:
     def wait_event(self, event: Any) -> None:
         return None
 
-    def record_event(self, event: Any = None) -> "_CpuEvent":
+    def record_event(self, event: Any = None) -> _CpuEvent:
         event = event or _CpuEvent()
         event.record()
         return event
@@ -48,7 +47,7 @@ class _CpuEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "_CpuEvent") -> float:
+    def elapsed_time(self, end: _CpuEvent) -> float:
         assert self._time_s is not None and end._time_s is not None, "event not recorded"
         return (end._time_s - self._time_s) * 1000.0
 

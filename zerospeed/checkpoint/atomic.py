@@ -83,7 +83,7 @@ class CheckpointTransaction:
         self.final_dir = os.path.join(save_dir, tag)
         self._entries: dict[str, dict[str, Any]] = {}
 
-    def begin(self) -> "CheckpointTransaction":
+    def begin(self) -> CheckpointTransaction:
         if self.rank == 0:
             os.makedirs(self.save_dir, exist_ok=True)
             shutil.rmtree(self.tmp_dir, ignore_errors=True)

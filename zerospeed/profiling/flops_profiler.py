@@ -50,7 +50,7 @@ def training_step_flops(fwd_flops: float, recompute_fwd_factor: float = 0.0) -> 
 class _OpCounter(TorchDispatchMode):
     """Adds each operator's (flops, macs) to the profiles of the modules now running forward."""
 
-    def __init__(self, profiler: "FlopsProfiler") -> None:
+    def __init__(self, profiler: FlopsProfiler) -> None:
         super().__init__()
         self.profiler = profiler
 

@@ -20,7 +20,7 @@ class ModuleProfile:
     flops: int = 0
     macs: int = 0
     latency_s: float = 0.0
-    children: list["ModuleProfile"] = dataclasses.field(default_factory=list)
+    children: list[ModuleProfile] = dataclasses.field(default_factory=list)
 
 
 _PREFIXES = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")]
@@ -109,7 +109,7 @@ def format_aggregated(root: ModuleProfile, module_depth: int = -1, top_modules: 
     for depth in depths:
         rows = table[depth]
 
-        def top(index: int, fmt) -> dict[str, str]:
+        def top(index: int, fmt, rows=rows) -> dict[str, str]:  # rows bound now: top() runs in this iteration
             ranked = sorted(rows.items(), key=lambda item: item[1][index], reverse=True)[:top_modules]
             return {name: fmt(values[index]) for name, values in ranked}
 

@@ -16,7 +16,7 @@ class RepeatingLoader:
         self.loader = loader
         self.data_iter = iter(self.loader)
 
-    def __iter__(self) -> "RepeatingLoader":
+    def __iter__(self) -> RepeatingLoader:
         return self
 
     def __next__(self) -> Any:
@@ -51,7 +51,7 @@ class DeepSpeedDataLoader:
     def __len__(self) -> int:
         return self.len
 
-    def __iter__(self) -> "DeepSpeedDataLoader":
+    def __iter__(self) -> DeepSpeedDataLoader:
         if hasattr(self.data_sampler, "set_epoch"):
             self.data_sampler.set_epoch(self.epoch)
         self.epoch += 1
