@@ -66,3 +66,15 @@ def test_swapper_cycles_units_through_few_buffers(buffer_count, tmp_path):
     swap_dir = swapper.swap_dir
     swapper.close()
     assert not os.path.exists(swap_dir)
+
+
+def test_swap_files_removed_when_the_swapper_is_collected(tmp_path):
+    import gc
+
+    swapper = OptimizerSwapper(str(tmp_path / "gc"), 1, 100, 1, AsyncIOEngine(), False)
+    swapper.create(0, [torch.ones(100)])
+    swap_dir = swapper.swap_dir
+    assert os.listdir(swap_dir) == ["unit_000000.swp"]
+    del swapper
+    gc.collect()
+    assert not os.path.exists(swap_dir)

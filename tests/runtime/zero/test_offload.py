@@ -153,14 +153,18 @@ def test_nvme_checkpoint_round_trip_is_exact(stage, tmp_path):
 def _too_big(stage):
     from zerospeed.runtime.zero import host_memory_check
 
-    host_memory_check.available_host_bytes = lambda: 1000
+    real = host_memory_check.available_host_bytes
+    host_memory_check.available_host_bytes = lambda: 1000   # pooled worker: restored below
     try:
         _engine(stage, {"device": "cpu"})
     except ValueError as error:
         return str(error)
+    finally:
+        host_memory_check.available_host_bytes = real
     return None
 
 
 def test_offload_that_cannot_fit_fails_at_initialize():
-    message = run_on_ranks(_too_big, 1, 2)[0]
-    assert message is not None and "host memory" in message and "available" in message and "nvme" in message
+    for message in run_on_ranks(_too_big, WORLD_SIZE, 2):
+        assert message is not None and "GiB of host memory" in message and "available" in message, message
+        assert "nvme" in message and "fp32 master partition" in message
