@@ -204,8 +204,9 @@ class OptimizerSwapper:
         return sum(os.path.getsize(self.path(uid)) for uid in self._numel if os.path.exists(self.path(uid)))
 
     def close(self) -> None:
-        for buffer, future in self._reads.values():
+        for _buffer, future in self._reads.values():
             future.result()
         self._reads.clear()
         self.flush()
+        self.aio.shutdown()
         self._finalizer()
