@@ -112,12 +112,21 @@ def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) 
     return MultiGatherHandle(handles)
 
 
+def compute_device() -> torch.device:
+    from zerospeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
 def _gather_same_dtype(params: list[ZeroParameter], async_op: bool) -> GatherHandle:
     for param in params:
         set_status(param, ZeroParamStatus.INFLIGHT)
     state = params[0].zs_state
     local = torch.cat([p.zs_state.partition for p in params]) if len(params) > 1 else state.partition
-    output = torch.empty(local.numel() * state.world_size, dtype=local.dtype, device=local.device)
+    # Partitions may live in host memory (offload_param); the gather runs on the compute device.
+    device = compute_device()
+    local = local.to(device, non_blocking=True)
+    output = torch.empty(local.numel() * state.world_size, dtype=local.dtype, device=device)
     work = comm.all_gather_into_tensor(output, local, group=state.group, async_op=async_op)
     return GatherHandle(params, work if async_op else None, output)
 
