@@ -105,3 +105,12 @@ def test_load_is_cached_per_process(built_ops):
     started = time.perf_counter()
     assert builder.load() is builder.load()
     assert time.perf_counter() - started < 0.5
+
+
+def test_extension_module_names_cannot_collide_with_deepspeeds():
+    """DeepSpeed registers its JIT ops as `cpu_adam`, `cpu_adagrad`, ...; ours must not take those
+    names in sys.modules, or a process that loads both gets the wrong module."""
+    from zerospeed.ops.op_builder.all_ops import ALL_OPS
+
+    for builder in ALL_OPS.values():
+        assert builder.extension_name.startswith("zerospeed_") and builder.extension_name != builder.NAME

@@ -138,13 +138,19 @@ class OpBuilder(abc.ABC):
         digest.update("\0".join(inputs).encode())
         return digest.hexdigest()[:16]
 
+    @property
+    def extension_name(self) -> str:
+        """The Python module name of the built library: prefixed, so it never collides with
+        DeepSpeed's own `cpu_adam` & co. in `sys.modules` when both are loaded in one process."""
+        return f"zerospeed_{self.NAME}"
+
     def build_dir(self) -> Path:
         return extensions_root() / f"{self.NAME}_{self.cache_key()}"
 
     def _built_library(self) -> Path | None:
         # torch's load() links `<name>.so`; its `lock` file means a build is still running.
         build_dir = self.build_dir()
-        library = build_dir / f"{self.NAME}.so"
+        library = build_dir / f"{self.extension_name}.so"
         if library.is_file() and not (build_dir / "lock").exists():
             return library
         return None
@@ -171,7 +177,7 @@ class OpBuilder(abc.ABC):
         return module
 
     def _import_library(self, library: Path) -> ModuleType:
-        spec = importlib.util.spec_from_file_location(self.NAME, library)
+        spec = importlib.util.spec_from_file_location(self.extension_name, library)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -186,7 +192,7 @@ class OpBuilder(abc.ABC):
         build_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         try:
-            module = load(name=self.NAME, sources=self.absolute_sources(),
+            module = load(name=self.extension_name, sources=self.absolute_sources(),
                           extra_include_paths=self.absolute_include_paths(),
                           extra_cflags=self.cxx_args(), extra_ldflags=self.extra_ldflags(),
                           build_directory=str(build_dir), verbose=verbose)
