@@ -28,8 +28,8 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/run.py
 
 lint: $(VENV)/.test
-	$(PIP) install -q ruff mypy
-	$(VENV)/bin/ruff check zerospeed tests
+	$(PIP) install -q ruff
+	$(VENV)/bin/ruff check zerospeed tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

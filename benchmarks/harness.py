@@ -262,4 +262,4 @@ def _wait_for_result(results: Any, processes: list[Any], spec: RunSpec) -> RunRe
             if dead or not any(p.is_alive() for p in processes):
                 for process in processes:
                     process.kill()
-                raise RuntimeError(f"{spec.label}: ranks exited ({dead or 'cleanly'}) without a result")
+                raise RuntimeError(f"{spec.label}: ranks exited ({dead or 'cleanly'}) without a result") from None

@@ -42,7 +42,7 @@ def gathered_fp32(engine):
     if hasattr(wrapper, "bit16_groups"):
         full = {}
         world_size = torch.distributed.get_world_size()
-        for params, master, padding in zip(wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups,
+        for params, master, _padding in zip(wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups,
                                            wrapper.groups_padding):
             flat = torch.empty(master.numel() * world_size)
             torch.distributed.all_gather_into_tensor(flat, master.detach().contiguous())

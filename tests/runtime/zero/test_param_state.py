@@ -55,7 +55,7 @@ def test_legal_cycle_and_illegal_transitions():
     set_status(param, INFLIGHT)
     set_status(param, AV)
     assert param.ds_status is AV
-    for start, illegal in [(AV, INFLIGHT), (AV, AV)]:
+    for _start, illegal in [(AV, INFLIGHT), (AV, AV)]:
         with pytest.raises(IllegalTransitionError, match="illegal transition"):
             set_status(param, illegal)
     set_status(param, NA)

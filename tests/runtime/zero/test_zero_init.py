@@ -55,7 +55,7 @@ def _gathered_modifier(modifier_rank):
 
 
 def test_gathered_parameters_modifier_rank_edit_is_visible_partitioned_everywhere():
-    for rank, (before, after, part) in enumerate(run_on_ranks(_gathered_modifier, 2, 0)):
+    for rank, (_before, after, part) in enumerate(run_on_ranks(_gathered_modifier, 2, 0)):
         assert torch.equal(after, torch.full((3, 5), 7.0))  # rank 0's edit, on every rank
         real = 8 if rank == 0 else 7  # 15 elements: ranks hold 8 + 7 (+1 padding)
         assert torch.equal(part[:real], torch.full((real,), 7.0))
