@@ -11,8 +11,9 @@ because a copy of this file is written into every checkpoint directory.
 The input files are opened with mmap (nothing is read until a tensor is touched; the optimizer
 moments never are). Each output tensor is a `_Source`: a shape plus a function that builds it
 from the mapped partitions. The shard plan needs only the shapes, so files are written one shard
-at a time and each parameter is materialized once, just before its shard is saved: peak memory
-is about one output shard plus the touched input pages, not the model size.
+at a time and each parameter is materialized once, just before its shard is saved; the inputs are
+re-mapped for every shard (touched pages stay resident while mapped): peak memory is about one
+output shard plus that shard's input pages, not the model size.
 
 Layouts read (reference §7.4): stage 1/2 (lean fp32 partitions concatenated in rank order, cut
 by `param_shapes`), stage 3 (each parameter split into ceil(numel/W) chunks per rank), and
@@ -150,13 +151,14 @@ def _cat(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
 class _ZeroCheckpoint:
     """The `_Source`s of one tag directory, in the module's state-dict order."""
 
-    def __init__(self, tag_dir: str, exclude_frozen_parameters: bool) -> None:
+    def __init__(self, tag_dir: str, exclude_frozen_parameters: bool, verify: bool = True) -> None:
         self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
         self.model_files = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
         self.optim_files = sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
         if not self.model_files:
             raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
-        _verify(tag_dir, self.model_files + self.optim_files)
+        if verify:
+            _verify(tag_dir, self.model_files + self.optim_files)
         self.model0 = _load(self.model_files[0])
         self.sources: OrderedDict[str, _Source] = OrderedDict()
 
@@ -281,8 +283,9 @@ class _ZeroCheckpoint:
         return OrderedDict((name, self.sources[name]) for name in order)
 
 
-def _sources(checkpoint_dir: str, tag: str | None, exclude_frozen_parameters: bool) -> OrderedDict:
-    return _ZeroCheckpoint(_tag_dir(checkpoint_dir, tag), exclude_frozen_parameters).collect()
+def _sources(checkpoint_dir: str, tag: str | None, exclude_frozen_parameters: bool,
+             verify: bool = True) -> OrderedDict:
+    return _ZeroCheckpoint(_tag_dir(checkpoint_dir, tag), exclude_frozen_parameters, verify).collect()
 
 
 def _materialize(sources: OrderedDict, names: list[str]) -> OrderedDict:
@@ -343,12 +346,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     if safe_serialization:  # safetensors refuses shared storage; HF re-ties the aliases on load
         sources = OrderedDict((n, s) for n, s in sources.items() if s.alias_of is None)
     shards = plan_shards(sources, None if max_shard_size is None else parse_size(max_shard_size))
+    total_bytes = sum(sources[name].nbytes for shard in shards for name in shard)
     stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
     names = [f"{stem}.{ext}"] if len(shards) == 1 else [
         f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
     os.makedirs(output_dir, exist_ok=True)
     weight_map = {}
-    for file_name, shard in zip(names, shards):
+    for index, (file_name, shard) in enumerate(zip(names, shards)):
+        if index > 0:
+            # Re-map the inputs for every shard: the pages the previous shard touched are mapped
+            # (and counted as resident) until their mapping goes, so dropping it bounds the peak
+            # to about one shard of input plus one of output. Verified once, on the first open.
+            del sources
+            sources = _sources(checkpoint_dir, tag, exclude_frozen_parameters, verify=False)
         tensors = _materialize(sources, shard)
         if debug:
             print(f"writing {file_name}: {len(tensors)} tensors")
@@ -356,8 +366,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
         weight_map.update({name: file_name for name in tensors})
         del tensors
     if len(shards) > 1:
-        total = sum(s.nbytes for s in sources.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         with open(os.path.join(output_dir, f"{stem}.{ext}.index.json"), "w") as handle:
             handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
