@@ -36,7 +36,7 @@ from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
-from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.config import ZeroStageEnum
 from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span, set_partition
@@ -214,13 +214,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
 
     def _averaging(self) -> tuple[float, float]:
         """(before, after) multipliers around the sum (DeepSpeed's averaging rules, §3.9)."""
-        settings, world_size = self.precision, self.world_size
-        if not settings.gradient_average:
-            return 1.0, 1.0
-        if settings.prescale_gradients:
-            return 1.0 / world_size, 1.0
-        factor = settings.gradient_predivide_factor
-        return 1.0 / factor, (factor / world_size if factor != world_size else 1.0)
+        return averaging_factors(self.precision, self.world_size)
 
     def _finish(self, flight: _InFlight) -> None:
         if flight.work is not None:
