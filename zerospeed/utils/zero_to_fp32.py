@@ -144,6 +144,20 @@ def _narrow_across(tensors: list[torch.Tensor], offset: int, numel: int) -> list
     return pieces
 
 
+def _copy_prefix(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The first `numel` elements of the concatenated pieces, as fp32, in one copy (stage 3's
+    per-rank chunks end in padding that is dropped here)."""
+    out = torch.empty(numel, dtype=torch.float32)
+    filled = 0
+    for piece in pieces:
+        take = min(piece.numel(), numel - filled)
+        if take <= 0:
+            break
+        out.narrow(0, filled, take).copy_(piece.reshape(-1).narrow(0, 0, take))
+        filled += take
+    return out
+
+
 def _cat(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     return torch.cat([p.float() for p in pieces]).view(shape) if pieces else torch.empty(shape)
 
@@ -243,7 +257,7 @@ class _ZeroCheckpoint:
 
             def build(o=offset, n=numel, p=psize, s=shape):
                 pieces = [piece for rank_flat in flats for piece in _narrow_across(rank_flat, o, p)]
-                return torch.cat([x.float() for x in pieces]).narrow(0, 0, n).view(s).clone()
+                return _copy_prefix(pieces, n).view(s)
 
             self.sources[name] = _Source(shape, torch.float32, build)
             offset += psize
