@@ -4,10 +4,10 @@
 Every module (z3-leaf modules as a whole, their children untouched) gets four hooks:
 - forward pre-hook: fetch the module's parameters (its own and its external ones); the root's
   pre-hook first calls `coordinator.reset_step()`;
-- forward post-hook: release them; and, when grad is on, route the outputs through `_PreBackward`,
+- forward post-hook: release them; and, when grad is on, route the outputs through `_BackwardHook`,
   an identity autograd function whose backward fetches the parameters again before the module's
   own backward runs;
-- the pre-hook also routes the inputs that require grad through `_PostBackward`, whose backward
+- the pre-hook also routes the inputs that require grad through `_BackwardHook`, whose backward
   counts them down and releases the parameters when the module's backward is done. A module
   whose inputs need no grad (an embedding) is released at the end of backward, by `release_all`.
 
@@ -21,7 +21,8 @@ gradient that arrives for it with the wrong shape raises an error naming the mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -89,30 +90,19 @@ class _ZeroParamDict(dict):
         return param
 
 
-class _PreBackward(torch.autograd.Function):
+class _BackwardHook(torch.autograd.Function):
+    """Identity on `tensors` whose backward first calls `on_backward()`: how a module learns that
+    backward reached its outputs (pre-backward: gather) or its inputs (post-backward: release)."""
+
     @staticmethod
-    def forward(ctx: Any, offload: DeepSpeedZeRoOffload, module: torch.nn.Module,
-                *tensors: torch.Tensor) -> Any:
-        ctx.offload, ctx.module = offload, module
+    def forward(ctx: Any, on_backward: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.on_backward = on_backward
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.offload.pre_backward(ctx.module)
-        return (None, None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, offload: DeepSpeedZeRoOffload, module: torch.nn.Module,
-                *tensors: torch.Tensor) -> Any:
-        ctx.offload, ctx.module = offload, module
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.offload.post_backward(ctx.module)
-        return (None, None, *grads)
+        ctx.on_backward()
+        return (None, *grads)
 
 
 class DeepSpeedZeRoOffload:
@@ -213,7 +203,7 @@ class DeepSpeedZeRoOffload:
         self.coordinator.release_sub_module(self._module_ids[id(module)], params)
         if not torch.is_grad_enabled():
             return None
-        return _map_tensors(output, lambda ts: _PreBackward.apply(self, module, *ts))
+        return _map_tensors(output, lambda ts: _BackwardHook.apply(lambda: self.pre_backward(module), *ts))
 
     def _wrap_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         grad_tensors = [t for t in _tensors(args) + _tensors(kwargs) if t.requires_grad]
@@ -262,14 +252,14 @@ class DeepSpeedZeRoOffload:
 
 
 class _PostBackwardWrapper:
-    """Routes the tensors that require grad of one call through one `_PostBackward` each."""
+    """Routes the tensors that require grad of one call through one `_BackwardHook` each."""
 
     def __init__(self, offload: DeepSpeedZeRoOffload, module: torch.nn.Module) -> None:
         self.offload, self.module = offload, module
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(_PostBackward.apply(self.offload, self.module, t)[0] if t.requires_grad else t
-                     for t in tensors)
+        on_backward = functools.partial(self.offload.post_backward, self.module)
+        return tuple(_BackwardHook.apply(on_backward, t)[0] if t.requires_grad else t for t in tensors)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
