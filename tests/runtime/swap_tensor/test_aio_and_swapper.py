@@ -1,13 +1,15 @@
 """The I/O engine and the optimizer swapper on their own: byte-exact transfers, bounded buffers,
 read-ahead / write-behind ordering, files removed at close."""
 
+import errno
 import os
 
 import pytest
 import torch
 
-from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, aligned_bytes
+from zerospeed.runtime.swap_tensor.aio_engine import ALIGNMENT, AsyncIOEngine, aligned_bytes, aligned_empty
 from zerospeed.runtime.swap_tensor.optimizer_swapper import OptimizerSwapper, StagingBuffers
+from zerospeed.utils.logging import logger
 
 
 def test_aligned_bytes():
@@ -78,3 +80,125 @@ def test_swap_files_removed_when_the_swapper_is_collected(tmp_path):
     del swapper
     gc.collect()
     assert not os.path.exists(swap_dir)
+
+
+# --- O_DIRECT ------------------------------------------------------------------------------------
+def _supports_direct_io(directory) -> bool:
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(str(directory), "probe.swp")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, memoryview(aligned_empty(ALIGNMENT, torch.uint8).numpy()), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.fixture
+def direct_dir(tmp_path):
+    if not _supports_direct_io(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} does not support O_DIRECT")
+    return tmp_path
+
+
+def test_aligned_empty_is_aligned():
+    for numel in (1, 1000, 1 << 20):
+        tensor = aligned_empty(numel, torch.float32)
+        assert tensor.data_ptr() % ALIGNMENT == 0 and tensor.numel() == numel and tensor.is_contiguous()
+
+
+def test_aligned_transfer_is_direct_and_byte_exact(direct_dir):
+    aio = AsyncIOEngine(block_size=1000)     # rounded up to one aligned block for direct pieces
+    path = str(direct_dir / "d.swp")
+    tensor = aligned_empty(3 * 4096, torch.float32).copy_(torch.randn(3 * 4096))
+    aio.write(path, tensor, offset=8192)
+    back = aligned_empty(3 * 4096, torch.float32)
+    aio.read(path, back, offset=8192)
+    assert torch.equal(back, tensor)
+    assert (aio.direct_bytes, aio.buffered_bytes) == (2 * tensor.nbytes, 0)
+
+
+def test_unaligned_transfers_are_buffered_and_tails_split(direct_dir):
+    aio = AsyncIOEngine()
+    path = str(direct_dir / "u.swp")
+    base = aligned_empty(4096 + 100, torch.float32).copy_(torch.randn(4096 + 100))
+    aio.write(path, base.narrow(0, 1, 1024), offset=4096)          # unaligned address
+    aio.write(path, base.narrow(0, 0, 1024), offset=100)           # unaligned offset
+    assert (aio.direct_bytes, aio.buffered_bytes) == (0, 2 * 4096)
+    aio.write(path, base, offset=65536)                             # aligned start, 400-byte tail
+    assert (aio.direct_bytes, aio.buffered_bytes) == (4 * 4096, 2 * 4096 + 400)
+    back = aligned_empty(4096 + 100, torch.float32)
+    aio.read(path, back, offset=65536)
+    assert torch.equal(back, base)
+    sliced = torch.empty(1024)
+    aio.read(path, sliced, offset=100)
+    assert torch.equal(sliced, base.narrow(0, 0, 1024))
+    with pytest.raises(OSError, match="end of file"):
+        aio.read(path, aligned_empty(2 * 4096 + 1024, torch.float32), offset=65536)
+
+
+def test_direct_io_off_or_refused_falls_back_to_buffered(tmp_path, monkeypatch):
+    tensor = aligned_empty(4096, torch.float32).copy_(torch.arange(4096.0))
+    off = AsyncIOEngine(use_direct_io=False)
+    off.write(str(tmp_path / "off.swp"), tensor)
+    assert (off.direct_bytes, off.buffered_bytes) == (0, tensor.nbytes)
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):  # what tmpfs did before Linux 6.6
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    warnings: list[str] = []
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(logger, "warning", warnings.append)
+    aio = AsyncIOEngine()
+    for name in ("a.swp", "b.swp"):
+        aio.write(str(tmp_path / name), tensor)
+    back = torch.empty(4096)
+    aio.read(str(tmp_path / "a.swp"), back)
+    assert torch.equal(back, tensor) and aio.direct_bytes == 0 and aio.buffered_bytes == 3 * tensor.nbytes
+    assert len(warnings) == 1 and "refuses O_DIRECT" in warnings[0]
+
+
+def test_swapper_unit_transfers_are_direct(direct_dir):
+    aio = AsyncIOEngine(block_size=4096)
+    swapper = OptimizerSwapper(str(direct_dir / "swap"), 3, 1500, 2, aio, False)
+    assert all(buffer.data_ptr() % ALIGNMENT == 0 for buffer in swapper.pool.buffers)
+    swapper.create(0, [torch.ones(1500), torch.zeros(1500), torch.zeros(1500)])
+    swapper.create_fast(1, torch.full((1000,), 2.0))
+    for uid in (0, 1):
+        swapper.swap_in(uid)[0].add_(1)
+        swapper.swap_out(uid)
+    swapper.flush()
+    assert aio.buffered_bytes == 0 and aio.direct_bytes > 0
+    swapper.close()
+
+
+# --- fast_init -----------------------------------------------------------------------------------
+def test_create_fast_reads_back_zero_states(tmp_path):
+    swapper = OptimizerSwapper(str(tmp_path / "fast"), 3, 1500, 1, AsyncIOEngine(), False)
+    swapper.create(0, [torch.full((1500,), 7.0)] * 3)        # leaves non-zero bytes in the buffer
+    master = torch.randn(1234)
+    swapper.create_fast(1, master)
+    swapper.create_fast(2, master)
+    swapper.create(2, [master, master, master])              # re-created: then fast again
+    swapper.create_fast(2, -master)
+    assert os.path.getsize(swapper.path(1)) == 3 * aligned_bytes(1234 * 4)
+    for uid, expected in ((1, master), (2, -master)):
+        got_master, exp_avg, exp_avg_sq = swapper.swap_in(uid)
+        assert torch.equal(got_master, expected)
+        assert torch.equal(exp_avg, torch.zeros(1234)) and torch.equal(exp_avg_sq, torch.zeros(1234))
+        exp_avg.add_(3)
+        swapper.swap_out(uid)
+    swapper.flush()
+    assert torch.equal(swapper.swap_in(1)[1], torch.full((1234,), 3.0))
+    swapper.close()

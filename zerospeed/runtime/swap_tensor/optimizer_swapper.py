@@ -5,7 +5,9 @@ A swap unit is one chunk of an fp32 master partition together with its optimizer
 is one file, `unit_<id>.swp`, tensor t at byte `t * aligned_bytes(4 * numel)`; in RAM it only
 exists while it sits in one of `buffer_count` staging buffers, each sized for the largest unit.
 So the optimizer state resident in RAM is bounded by `buffer_count * buffer_bytes`, whatever
-the model size.
+the model size. Buffers are 4 KiB aligned and units span whole aligned slots, so every unit
+transfer goes through O_DIRECT (aio_engine [Note: O_DIRECT]). `create_fast` (`fast_init`) writes
+only a new unit's master and leaves its zero states as a file hole.
 
 [Note: read-ahead / write-behind]
 The step walks the units in order. `prefetch(uid)` starts reading a unit if a buffer is free
@@ -30,7 +32,7 @@ from concurrent.futures import Future
 
 import torch
 
-from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, aligned_bytes
+from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, aligned_bytes, aligned_empty
 
 __all__ = ["OptimizerSwapper", "StagingBuffers"]
 
@@ -43,13 +45,14 @@ def aligned_numel(numel: int) -> int:
 
 
 class StagingBuffers:
-    """`count` flat fp32 buffers of `numel` elements (pinned when asked and CUDA is present)."""
+    """`count` flat fp32 buffers of `numel` elements (pinned when asked and CUDA is present), each
+    starting at an `ALIGNMENT`-aligned address so unit transfers go through O_DIRECT."""
 
     def __init__(self, count: int, numel: int, pin_memory: bool) -> None:
         if count < 1:
             raise ValueError("offload_optimizer.buffer_count must be >= 1 for device 'nvme'")
         pin = pin_memory and torch.cuda.is_available()
-        self.buffers = [torch.empty(numel, dtype=_DTYPE, pin_memory=pin) for _ in range(count)]
+        self.buffers = [aligned_empty(numel, _DTYPE, pin_memory=pin) for _ in range(count)]
         self._free = list(range(count))
         self._cond = threading.Condition()
 
@@ -116,6 +119,25 @@ class OptimizerSwapper:
             for view, tensor in zip(self._views(buffer, numel), tensors):
                 view.copy_(tensor.reshape(-1))
             self.aio.write(self.path(uid), self._span(buffer, numel))
+        finally:
+            self.pool.release(buffer)
+
+    def create_fast(self, uid: int, master: torch.Tensor) -> None:
+        """`offload_optimizer.fast_init`: a new unit whose states are zeros, without writing them.
+
+        Only the master slot is written; the file is sized to the whole unit with `ftruncate`, and
+        the filesystem reads the hole back as zeros."""
+        numel = master.numel()
+        self._numel[uid] = numel
+        fd = os.open(self.path(uid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, self.num_tensors * aligned_bytes(numel * _ELEMENT_BYTES))
+        finally:
+            os.close(fd)
+        buffer = self.pool.acquire()
+        try:
+            self._views(buffer, numel)[0].copy_(master.reshape(-1))
+            self.aio.write(self.path(uid), self.pool.buffers[buffer].narrow(0, 0, aligned_numel(numel)))
         finally:
             self.pool.release(buffer)
 
