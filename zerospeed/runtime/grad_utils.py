@@ -3,6 +3,8 @@
 The norm is accumulated in float64 as DeepSpeed does, so fp32 runs reproduce torch's
 `clip_grad_norm_` within rounding. For partitioned gradients pass the data-parallel `group`: the
 squares are summed over ranks before the square root. Replicated gradients pass `group=None`.
+Gradients in host memory (optimizer offload) pass `comm_device`, the device the communication
+backend works on: only the per-rank scalar moves there (NCCL cannot reduce a host tensor).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from zerospeed import comm
 _CLIP_EPS = 1e-6
 
 
-def any_non_finite(tensors: Iterable[torch.Tensor], group: Any = None, reduce: bool = True) -> bool:
+def any_non_finite(tensors: Iterable[torch.Tensor], group: Any = None, reduce: bool = True,
+                   comm_device: torch.device | None = None) -> bool:
     """True when any tensor here (or, with `reduce`, on any rank of `group`) holds inf or nan."""
     flags = [(~torch.isfinite(t)).any() for t in tensors]
     local = torch.stack(flags).any().to(torch.float32) if flags else torch.zeros(())
-    local = local.reshape(1)
+    local = local.reshape(1) if comm_device is None else local.reshape(1).to(comm_device)
     if reduce and comm.is_initialized():
         comm.all_reduce(local, op=comm.ReduceOp.MAX, group=group)
     return bool(local.item() > 0)
@@ -37,9 +40,12 @@ def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
-def global_norm(tensors: Iterable[torch.Tensor], group: Any = None, partitioned: bool = False) -> float:
+def global_norm(tensors: Iterable[torch.Tensor], group: Any = None, partitioned: bool = False,
+                comm_device: torch.device | None = None) -> float:
     """L2 norm over all elements; with `partitioned`, each rank holds a disjoint part of the vector."""
     squares = sum_of_squares(tensors).reshape(1)
+    if comm_device is not None:
+        squares = squares.to(comm_device)
     if partitioned and comm.is_initialized():
         comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=group)
     return math.sqrt(float(squares.item()))

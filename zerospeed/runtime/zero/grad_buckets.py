@@ -21,6 +21,10 @@ flight (double buffering) while backward continues. The reducer only ever calls 
 handle: on gloo an async reduce-scatter's `is_completed()` never turns true and it has no future.
 Every rank must produce gradients in the same order (the same graph), as in DeepSpeed, so that
 all ranks issue the same collectives.
+
+With optimizer offload the destinations are host buffers and the reducer hands each reduced
+slice to a `HostGradientSink` (host_grads.py) instead of writing it in place: the copy to host
+memory then overlaps the rest of backward; the wrapper synchronizes the sink at its end.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
+from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
 __all__ = ["GradReducer", "GradientBuckets", "OwnedSlice", "reduce_flat_gradients"]
@@ -60,8 +65,9 @@ class OwnedSlice:
 
 class GradReducer:
     def __init__(self, group: Any, settings: PrecisionSettings, use_reduce_scatter: bool,
-                 overlap_comm: bool) -> None:
+                 overlap_comm: bool, sink: HostGradientSink | None = None) -> None:
         self.group = group
+        self.sink = sink                  # offload: destinations are host buffers, written through it
         self.dp_rank = comm.get_rank(group)
         self.world_size = comm.get_world_size(group)
         self.use_reduce_scatter = use_reduce_scatter
@@ -81,7 +87,7 @@ class GradReducer:
             output = rows.narrow(0, self.dp_rank * row_numel, row_numel)
 
         def finish() -> None:
-            dest.copy_(self._scale(output, self.after))
+            self._store(dest, self._scale(output, self.after), accumulate=False)
         self._submit(_InFlight(handle, (rows, output), finish))
 
     def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice], accumulate: bool = True) -> None:
@@ -110,7 +116,7 @@ class GradReducer:
             for owned, start in zip(mine, starts):
                 assert owned.dest is not None
                 reduced = self._scale(summed.narrow(0, start, owned.numel), self.after)
-                owned.dest.add_(reduced) if accumulate else owned.dest.copy_(reduced)
+                self._store(owned.dest, reduced, accumulate)
         self._submit(_InFlight(handle, (flat, received), finish))
 
     def wait_all(self) -> None:
@@ -121,6 +127,14 @@ class GradReducer:
         self._in_flight.append(work)
         while len(self._in_flight) > (_MAX_IN_FLIGHT if self.overlap_comm else 0):
             self._finish(self._in_flight.pop(0))
+
+    def _store(self, dest: torch.Tensor, reduced: torch.Tensor, accumulate: bool) -> None:
+        if self.sink is not None:
+            (self.sink.add if accumulate else self.sink.copy)(dest, reduced)
+        elif accumulate:
+            dest.add_(reduced)
+        else:
+            dest.copy_(reduced)
 
     @staticmethod
     def _finish(work: _InFlight) -> None:
@@ -134,17 +148,21 @@ class GradReducer:
 
 
 def reduce_flat_gradients(flat_grad: torch.Tensor, layout: GroupLayout, slabs: list[Slab],
-                          reducer: GradReducer, comm_dtype: torch.dtype) -> None:
+                          reducer: GradReducer, comm_dtype: torch.dtype,
+                          partition: torch.Tensor | None = None) -> None:
     """Stage 1 at the boundary: reduce a full flat gradient buffer; this rank's partition of it
-    then holds the reduced (averaged) gradients. Other partitions keep stale values."""
+    (or `partition`, a separate buffer of partition size) then holds the reduced (averaged)
+    gradients. Other partitions keep stale values."""
     rows_view = flat_grad.view(layout.world_size, layout.partition_numel)
+    if partition is None:
+        partition = rows_view[reducer.dp_rank]
     for slab in slabs:
         if slab_real_numel(layout, slab) == 0:
             continue  # pure padding: zeros on every rank
         window = rows_view.narrow(1, slab.offset, slab.numel)
         rows = torch.empty(window.shape, dtype=comm_dtype, device=flat_grad.device)
         rows.copy_(window)
-        reducer.reduce(rows.view(-1), rows_view[reducer.dp_rank].narrow(0, slab.offset, slab.numel))
+        reducer.reduce(rows.view(-1), partition.narrow(0, slab.offset, slab.numel))
     reducer.wait_all()
 
 

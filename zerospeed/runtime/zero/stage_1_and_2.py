@@ -27,6 +27,16 @@ states, with 4 Psi or 4 Psi/N grads) and no copy-back after the step. With fp16/
 parameters the master is a separate fp32 clone. With `offload_optimizer` the masters and the
 optimizer state belong to `OffloadStates` (offload_states.py, host memory or NVMe): the wrapper
 hands it the partitioned gradients at the step, and `_FlatGroup.master` is just the lp partition.
+
+[Note: offloaded gradients]
+With `offload_optimizer` the partition the step reads (`_FlatGroup.partition_grad`) is a host
+buffer (pinned when applicable): at stage 2 it is `grads` itself, at stage 1 a buffer beside the
+device-side full flat `grads`, which keeps accumulating on the device. The reductions write into
+it through a `HostGradientSink` (host_grads.py) as each bucket or slab completes, overlapped with
+backward; `backward_epilogue` synchronizes the sink, so the step finds the gradients on the host
+and `OffloadStates.step` takes views of them. Stage 2 still accumulates over micro-batches (the
+sink adds), stage 1 still reduces at the boundary (the sink copies). The overflow check and the
+norm reduce their per-rank scalar on the accelerator (`comm_device`), never the host buffer.
 """
 
 from __future__ import annotations
@@ -37,12 +47,14 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
+from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.zero.partition import (
     GroupLayout,
@@ -71,6 +83,7 @@ class _FlatGroup:
     lp_partition: torch.Tensor          # this rank's view of lp_flat
     master: torch.Tensor                # single_partition_of_fp32_groups[i]
     grads: torch.Tensor                 # stage 1: full flat; stage 2: this rank's partition
+    partition_grad: torch.Tensor        # what the step reads ([Note: offloaded gradients])
     padding: int                        # padded elements inside this rank's partition
 
 
@@ -106,12 +119,24 @@ def _warn_ignored(zero_config: Any) -> None:
                         "and is ignored")
 
 
+def _offload_pin_memory(zero_config: Any) -> bool:
+    block = getattr(zero_config, "offload_optimizer", None)
+    return bool(getattr(block, "pin_memory", True))
+
+
+def _separate(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
+
+
 class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
                  param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
         self.offload = offload
+        self.sink = None if offload is None else HostGradientSink(_offload_pin_memory(zero_config))
+        # [Note: offloaded gradients] host gradients: the step's scalar collectives run here.
+        self._comm_device = None if offload is None else torch.device(get_accelerator().current_device_name())
         self.precision = precision
         self.settings = _ZeroSettings.from_config(zero_config)
         _warn_ignored(zero_config)
@@ -152,20 +177,31 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         else:
             master = lp_partition if dtype == _MASTER_DTYPE else lp_partition.to(_MASTER_DTYPE).clone()
             group["params"] = [master]
-        grads_numel = part_numel if self.partition_gradients else layout.padded_numel
-        grads = torch.zeros(grads_numel, dtype=self.precision.grad_accum_dtype, device=device)
+        grads, partition_grad = self._init_grad_buffers(layout, device)
         names = [param_names.get(p, f"group{group_index}.param{i}") for i, p in enumerate(params)]
         slabs = plan_slabs(part_numel, self.dp_world_size, self.settings.reduce_bucket_size)
         return _FlatGroup(params, names, layout, slabs, lp_flat, lp_partition, master, grads,
-                          layout.padding_in_partition(self.dp_rank))
+                          partition_grad, layout.padding_in_partition(self.dp_rank))
+
+    def _init_grad_buffers(self, layout: GroupLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer gradients accumulate in, the partition of them the step reads)."""
+        dtype, part_numel = self.precision.grad_accum_dtype, layout.partition_numel
+        if self.partition_gradients:
+            grads = (self.sink.host_buffer(part_numel, dtype) if self.sink is not None
+                     else torch.zeros(part_numel, dtype=dtype, device=device))
+            return grads, grads
+        grads = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        if self.sink is not None:   # [Note: offloaded gradients]
+            return grads, self.sink.host_buffer(part_numel, dtype)
+        return grads, grads.narrow(0, layout.partition_start(self.dp_rank), part_numel)
 
     def _init_reduction(self) -> None:
         self.reducer = GradReducer(self.dp_process_group, self.precision, self.settings.reduce_scatter,
-                                   self.settings.overlap_comm)
+                                   self.settings.overlap_comm, self.sink)
         # Stage 2 reduces from every backward's hooks; stage 1 with overlap_comm from the boundary
         # micro-batch's hooks (the reduced slices then replace its partition of the flat buffer).
         self.buckets = GradientBuckets(
-            [g.layout for g in self.groups], [self._partition_grad(g) for g in self.groups], self.reducer,
+            [g.layout for g in self.groups], [g.partition_grad for g in self.groups], self.reducer,
             self.precision.communication_dtype, self.settings.reduce_bucket_size,
             self.settings.contiguous_gradients, accumulate=self.partition_gradients)
         self._reduce_in_backward = False
@@ -207,6 +243,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self._finish_reduce_in_backward()
         elif is_boundary:
             self._reduce_full_gradients()
+        if self.sink is not None:
+            self.sink.synchronize()       # [Note: offloaded gradients] the step reads them next
 
     def _finish_reduce_in_backward(self) -> None:
         """Stage 1 + overlap_comm: parameters whose gradient came only in earlier micro-batches
@@ -223,27 +261,23 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def _reduce_full_gradients(self) -> None:
         for group in self.groups:
             reduce_flat_gradients(group.grads, group.layout, group.slabs, self.reducer,
-                                  self.precision.communication_dtype)
+                                  self.precision.communication_dtype, group.partition_grad)
         self._unreduced = False
-
-    def _partition_grad(self, group: _FlatGroup) -> torch.Tensor:
-        if self.partition_gradients:
-            return group.grads
-        return group.grads.narrow(0, group.layout.partition_start(self.dp_rank), group.layout.partition_numel)
 
     # --- step -------------------------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
         if self._unreduced:
             self.backward_epilogue(is_boundary=True)
-        grads = [self._partition_grad(g) for g in self.groups]
-        scale = self.loss_scaler.cur_scale
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_process_group)
+        grads = [g.partition_grad for g in self.groups]
+        scale, device = self.loss_scaler.cur_scale, self._comm_device
+        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_process_group,
+                                                                         comm_device=device)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = None
             self.zero_grad()
             return
-        scaled_norm = global_norm(grads, group=self.dp_process_group, partitioned=True)
+        scaled_norm = global_norm(grads, group=self.dp_process_group, partitioned=True, comm_device=device)
         self._global_grad_norm = scaled_norm / scale
         combined = unscale_and_clip_factor(scaled_norm, scale, self.clip_grad)
         if self.offload is not None:
@@ -280,6 +314,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
             group.grads.zero_()
+            if _separate(group.partition_grad, group.grads):
+                group.partition_grad.zero_()   # stage 1 offload: the host buffer beside the flat one
             group.master.grad = None
             for param in group.params:
                 param.grad = None
@@ -307,7 +343,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         masters = [g.master for g in self.groups if g.master.untyped_storage().data_ptr() not in lp_storages]
         breakdown = {
             "lp_params": tensor_bytes(g.lp_flat for g in self.groups),
-            "grads": tensor_bytes(g.grads for g in self.groups),
+            "grads": tensor_bytes([t for g in self.groups for t in (g.grads, g.partition_grad)]),
             "master_params": tensor_bytes(masters),
             "optimizer_states": tensor_bytes(optimizer_state_tensors(self.optimizer)),
         }
