@@ -36,12 +36,13 @@ def _batches(num_steps):
             for _ in range(num_steps)]
 
 
-def _engine(stage, offload, dtype="fp32", offload_param=None):
+def _engine(stage, offload, dtype="fp32", offload_param=None, **zero_overrides):
     torch.manual_seed(0)
     model = MLP()
     groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")]},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-    zero = {"stage": stage, "sub_group_size": UNIT, "reduce_bucket_size": 4000, "param_persistence_threshold": 0}
+    zero = {"stage": stage, "sub_group_size": UNIT, "reduce_bucket_size": 4000, "param_persistence_threshold": 0,
+            **zero_overrides}
     if offload is not None:
         zero["offload_optimizer"] = offload
     if offload_param is not None:

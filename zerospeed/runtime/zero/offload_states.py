@@ -36,7 +36,7 @@ from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
 from zerospeed.runtime.swap_tensor.optimizer_swapper import OptimizerSwapper
 
-__all__ = ["OffloadStates", "plan_units"]
+__all__ = ["OffloadStates", "ResidentPartitions", "plan_units"]
 
 _FP32 = torch.float32
 _EMPTY = torch.empty(0, dtype=_FP32)
@@ -74,10 +74,27 @@ def _stepping_only(optimizer: torch.optim.Optimizer, unit: _Unit) -> Iterator[No
         optimizer.param_groups = groups
 
 
+class ResidentPartitions:
+    """How `OffloadStates` reaches the low-precision partitions when they are tensors in memory;
+    stage 3 with `offload_param: nvme` swaps in `SwappedFlatAccess` (swap_tensor/param_swapper.py)."""
+
+    def __init__(self, partitions: list[torch.Tensor]) -> None:
+        self.partitions = partitions
+
+    def view(self, index: int, offset: int, numel: int, read: bool = True) -> torch.Tensor:
+        """Elements [offset, offset + numel) of partition `index`; `read=False`: the caller
+        overwrites all of them, so their current values need not be fetched."""
+        return self.partitions[index].narrow(0, offset, numel)
+
+    def commit(self, index: int, offset: int, values: torch.Tensor) -> None:
+        """`values` (from `view`) were changed: store them (a no-op for a view into memory)."""
+
+
 class OffloadStates:
     def __init__(self, optimizer: torch.optim.Optimizer, offload_config: Any, aio_config: Any,
                  unit_numel: int, swap_name: str) -> None:
         self.optimizer = optimizer
+        self.aio_config = aio_config
         self.nvme = str(offload_config.device.value if hasattr(offload_config.device, "value")
                         else offload_config.device) == "nvme"
         self.unit_numel = max(1, int(unit_numel))
@@ -85,6 +102,7 @@ class OffloadStates:
         self._pin = bool(offload_config.pin_memory) and torch.cuda.is_available()
         self._side_stream = self.accelerator.Stream() if torch.cuda.is_available() else None
         self.partitions: list[torch.Tensor] = []
+        self.partition_access: ResidentPartitions = ResidentPartitions(self.partitions)
         self.units: list[_Unit] = []
         self._partition_units: list[list[int]] = []
         self._staging: dict[str, torch.Tensor] = {}
@@ -170,7 +188,7 @@ class OffloadStates:
             grad = self._host_grad(grads[unit.partition].narrow(0, unit.offset, unit.numel))
             scale_([grad], multiplier)
             unit.master.grad = grad
-            target = self.partitions[unit.partition].narrow(0, unit.offset, unit.numel)
+            target = self.partition_access.view(unit.partition, unit.offset, unit.numel, read=False)
             half = copy_out and target.dtype != _FP32
             host_half = self._host_half(target) if half else None
             with _stepping_only(self.optimizer, unit):
@@ -180,6 +198,7 @@ class OffloadStates:
                     self.optimizer.step()
             unit.master.grad = None
             self._to_partition(target, host_half if host_half is not None else unit.master)
+            self.partition_access.commit(unit.partition, unit.offset, target)
             self._release(unit)
         if self.swapper is not None:
             self.swapper.flush()
@@ -229,17 +248,20 @@ class OffloadStates:
     @torch.no_grad()
     def load_master_partition(self, index: int, values: torch.Tensor) -> None:
         """Set the fp32 master of partition `index` (full numel) and refresh the partition from it."""
-        partition = self.partitions[index]
         for unit in self._units_in_order(self._partition_units[index]):
             unit.master.copy_(values.narrow(0, unit.offset, unit.numel))
-            partition.narrow(0, unit.offset, unit.numel).copy_(unit.master)
+            target = self.partition_access.view(index, unit.offset, unit.numel, read=False)
+            target.copy_(unit.master)
+            self.partition_access.commit(index, unit.offset, target)
             self._release(unit)
         self._flush()
 
     def refresh_from_partitions(self) -> None:
         """Re-derive every master from its (just loaded) low-precision partition."""
-        for index, partition in enumerate(self.partitions):
-            self.load_master_partition(index, partition.detach().to("cpu", _FP32))
+        for index, uids in enumerate(self._partition_units):
+            pieces = [self.partition_access.view(index, self.units[u].offset, self.units[u].numel).to("cpu", _FP32)
+                      for u in uids]
+            self.load_master_partition(index, torch.cat(pieces))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The base optimizer's state_dict as it would be with one param per partition."""

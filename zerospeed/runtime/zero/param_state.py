@@ -10,6 +10,9 @@ A ZeRO-3 parameter is in one of three states (DeepSpeed's names and values):
 - INFLIGHT: an all-gather into a temporary buffer is outstanding; `param.data` is still empty.
 - AVAILABLE: `param.data` holds the full tensor of shape `ds_shape`.
 
+With `offload_param: nvme` the partition itself may live on disk (`zs_state.swapped`, see
+swap_tensor/param_swapper.py): `ds_tensor` is then empty and a gather reads the bytes.
+
 `set_status` is the only way to move between states and checks the transition is legal.
 Partition math (per parameter, padded on its own as DeepSpeed does, reference §5.1): with
 `W` ranks, `partition_numel = ceil(numel / W)`; rank r holds the flattened elements
@@ -46,6 +49,7 @@ __all__ = [
     "set_persist",
     "set_status",
     "set_strict",
+    "set_swapped",
     "zero_state",
 ]
 
@@ -104,6 +108,7 @@ class ZeroParamState:
     status: ZeroParamStatus = ZeroParamStatus.AVAILABLE
     active_sub_modules: set[int] = dataclasses.field(default_factory=set)
     strict: bool = False   # managed by an engine: compute on it while NOT_AVAILABLE raises
+    swapped: Any = None    # a SwappedPartition when the partition lives on NVMe (`partition` is then empty)
 
     @property
     def partition_numel(self) -> int:
@@ -238,6 +243,15 @@ def set_partition(param: ZeroParameter, partition: torch.Tensor) -> None:
     _write_ds_attributes(param)
 
 
+def set_swapped(param: ZeroParameter, swapped: Any) -> None:
+    """The partition now lives on NVMe (`swapped`, a SwappedPartition): the resident one is dropped
+    and `ds_tensor` becomes an empty stand-in of the same dtype and device."""
+    state = param.zs_state
+    state.swapped = swapped
+    state.partition = torch.empty(0, dtype=state.partition.dtype, device=state.partition.device)
+    _write_ds_attributes(param)
+
+
 def set_strict(param: ZeroParameter) -> None:
     param.zs_state.strict = True
     _write_ds_attributes(param)
@@ -263,4 +277,4 @@ def _write_ds_attributes(param: ZeroParameter) -> None:
     param.ds_secondary_tensor = None
     state.partition.ds_numel = state.partition_numel  # type: ignore[attr-defined]
     state.partition.status = None  # type: ignore[attr-defined]
-    state.partition.final_location = None  # type: ignore[attr-defined]
+    state.partition.final_location = "nvme" if state.swapped is not None else None  # type: ignore[attr-defined]

@@ -122,13 +122,43 @@ def _gather_same_dtype(params: list[ZeroParameter], async_op: bool) -> GatherHan
     for param in params:
         set_status(param, ZeroParamStatus.INFLIGHT)
     state = params[0].zs_state
-    local = torch.cat([p.zs_state.partition for p in params]) if len(params) > 1 else state.partition
+    local = _local_partitions(params)
     # Partitions may live in host memory (offload_param); the gather runs on the compute device.
     device = compute_device()
     local = local.to(device, non_blocking=True)
     output = torch.empty(local.numel() * state.world_size, dtype=local.dtype, device=device)
     work = comm.all_gather_into_tensor(output, local, group=state.group, async_op=async_op)
     return GatherHandle(params, work if async_op else None, output)
+
+
+def _local_partitions(params: list[ZeroParameter]) -> torch.Tensor:
+    """This rank's partitions of `params`, end to end (read from NVMe for swapped ones)."""
+    states = [p.zs_state for p in params]
+    if all(s.swapped is None for s in states):
+        return torch.cat([s.partition for s in states]) if len(states) > 1 else states[0].partition
+    local = torch.empty(sum(s.partition_numel for s in states), dtype=states[0].partition.dtype)
+    offset = 0
+    for state in states:
+        piece = local.narrow(0, offset, state.partition_numel)
+        if state.swapped is not None:
+            state.swapped.swapper.read_into(state.swapped, piece)
+        else:
+            piece.copy_(state.partition)
+        offset += state.partition_numel
+    return local
+
+
+def store_partition(state: ZeroParamState, full: torch.Tensor) -> None:
+    """Copy this rank's slice of the full (flattened) `full` into the partition, wherever it lives."""
+    start, real = rank_span(state.numel, state.world_size, state.dp_rank)
+    values = full.reshape(-1)[start:start + real]
+    if state.swapped is None:
+        state.partition[:real].copy_(values)
+        return
+    padded = torch.zeros(state.partition_numel, dtype=state.partition.dtype)
+    padded[:real].copy_(values)
+    swapped = state.swapped
+    swapped.swapper.write_range(swapped.flat_id, swapped.offset, padded, wait=True)
 
 
 class MultiGatherHandle:
@@ -150,8 +180,7 @@ def release_params(params: Iterable[torch.nn.Parameter], has_been_updated: bool 
             continue
         state = param.zs_state
         if has_been_updated:
-            start, real = rank_span(state.numel, state.world_size, state.dp_rank)
-            state.partition[:real].copy_(param.data.reshape(-1)[start:start + real])
+            store_partition(state, param.data)
         if state.active_sub_modules and not state.persist:
             raise RuntimeError(f"cannot partition parameter {state.describe()}: still in use by "
                                f"modules {sorted(state.active_sub_modules)}")
@@ -241,8 +270,7 @@ class GatheredParameters:
             if id(param) in gathered_ids:
                 continue
             # Already gathered before we entered (e.g. persistent): refresh the partition, keep data.
-            start, real = rank_span(state.numel, state.world_size, state.dp_rank)
-            state.partition[:real].copy_(param.data.reshape(-1)[start:start + real])
+            store_partition(state, param.data)
 
 
 # --- zero.Init ---------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ Invariants
   context exits, even if a module's forward runs inside it.
 - Persistent parameters (`ds_persist`) are never released here; they are gathered once and
   refreshed after each optimizer step.
+- With `offload_param: nvme`, partitions the trace needs next are read from disk ahead of their
+  gather (`_read_ahead`), bounded by the swapper's budget, not by `max_live_parameters`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class PartitionedParameterCoordinator:
         self.peak_available_numel = 0
         self.num_invalidations = 0
         self._warned = False
+        self._swapping = False
 
     # --- trace --------------------------------------------------------------------------------
     def is_complete_trace(self) -> bool:
@@ -80,6 +83,7 @@ class PartitionedParameterCoordinator:
             self._recording = []
             self.trace_mode = ZeRoTraceMode.RECORD
         self.step_id = 0
+        self._swapping = any(p.zs_state.swapped is not None for p in self.all_params)
 
     def _check_trace(self, entry: TraceEntry) -> None:
         if self.trace_mode is ZeRoTraceMode.RECORD:
@@ -111,6 +115,8 @@ class PartitionedParameterCoordinator:
             param.zs_state.active_sub_modules.add(module_id)
         if self.is_complete_trace():
             self._prefetch()
+            if self._swapping:
+                self._read_ahead()
         self.step_id += 1
 
     def fetch_now(self, param: ZeroParameter) -> None:
@@ -158,6 +164,17 @@ class PartitionedParameterCoordinator:
                 chosen[state.ds_id] = param
                 chosen_numel += state.numel
         self._start_gather(list(chosen.values()), async_op=True)
+
+    def _read_ahead(self) -> None:
+        """offload_param nvme: start reading from disk the partitions that the gathers after the
+        prefetched ones will need, along the trace, as far as the swapper's budget allows."""
+        for entry in self.trace[self.step_id + 1:]:
+            for param in entry.params:
+                swapped = param.zs_state.swapped
+                if swapped is None or param.zs_state.status is not ZeroParamStatus.NOT_AVAILABLE:
+                    continue
+                if not swapped.swapper.prefetch(swapped):
+                    return
 
     # --- release ------------------------------------------------------------------------------
     def release_sub_module(self, module_id: int, params: tuple[ZeroParameter, ...]) -> None:

@@ -27,19 +27,21 @@ With `offload_optimizer` the fp32 masters and optimizer state of every sub-group
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
 
 from zerospeed import comm
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
-from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.config import ZeroStageEnum
 from zerospeed.runtime.zero.offload_states import OffloadStates
-from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span, set_partition
+from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
+from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper, SwappedFlatAccess
+from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.version import __version__
 
@@ -96,7 +98,9 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         self.overlap_comm = bool(zero_config.overlap_comm)
         self.parameter_offload = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names,
                                                       precision.param_dtype)
+        self._check_param_offload()
         self._init_sub_groups()
+        self.param_swapper = self._swap_out_partitions()
         self._init_gradient_hooks()
 
     # --- setup --------------------------------------------------------------------------------
@@ -132,15 +136,54 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         return master
 
     def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
-        """`offload_param`: the sub-group's partitions live in host memory (pinned with an accelerator)."""
+        """`offload_param`: the sub-group's partitions live in host memory (pinned with an
+        accelerator); with `nvme`, `_swap_out_partitions` then moves most of them to files."""
         block = self.zero_config.offload_param
         if block is None or not block.enabled:
             return lp
-        if block.device.value == "nvme":
-            warn_config("zero_optimization.offload_param.device='nvme': parameter swapping to NVMe is not "
-                        "implemented yet; parameter partitions are kept in host memory as with 'cpu'")
         pin = bool(block.pin_memory) and torch.cuda.is_available()
         return torch.empty(lp.shape, dtype=lp.dtype, pin_memory=pin).copy_(lp)
+
+    def _param_nvme_block(self) -> Any:
+        block = self.zero_config.offload_param
+        return block if block is not None and block.device.value == "nvme" else None
+
+    def _check_param_offload(self) -> None:
+        if self._param_nvme_block() is not None and self.offload is None:
+            raise ValueError("zero_optimization.offload_param.device 'nvme' needs optimizer offload as well: set "
+                             "zero_optimization.offload_optimizer.device to 'cpu' or 'nvme' (the optimizer step "
+                             "then updates the swapped parameter partitions on the host)")
+
+    def _swap_out_partitions(self) -> ParamSwapper | None:
+        """`offload_param: nvme`: sub-groups beyond the first `max_in_cpu` elements (cumulative, in
+        sub-group order: DeepSpeed's rule) are written to files and dropped from memory."""
+        block = self._param_nvme_block()
+        if block is None:
+            return None
+        aio = self.offload.aio_config  # type: ignore[union-attr]
+        swap_dir = os.path.join(str(block.nvme_path), "zerospeed_offload",
+                                f"rank{comm.get_rank():02d}_pid{os.getpid()}", "param")
+        swapper = ParamSwapper(swap_dir, AsyncIOEngine(aio.block_size, aio.queue_depth, aio.intra_op_parallelism),
+                               int(block.buffer_count) * int(block.buffer_size), bool(block.pin_memory))
+        flat_ids: dict[int, int] = {}
+        in_cpu = 0
+        for index, (lp, params) in enumerate(zip(self.lp_flat, self.fp16_groups)):
+            if in_cpu + lp.numel() <= int(block.max_in_cpu):
+                in_cpu += lp.numel()
+                continue
+            flat_ids[index] = swapper.add_flat(lp)
+            for param in params:
+                part = swapper.partition(flat_ids[index], self._slots[id(param)].offset, param.partition_numel())
+                set_swapped(param, part)
+            self._drop_flat(index, torch.empty(0, dtype=lp.dtype))
+        self.offload.partition_access = SwappedFlatAccess(swapper, self.offload.partitions, flat_ids)  # type: ignore[union-attr]
+        return swapper
+
+    def _drop_flat(self, index: int, stand_in: torch.Tensor) -> None:
+        """Every reference to sub-group `index`'s resident flat now points at `stand_in`."""
+        self.lp_flat[index] = stand_in
+        self.fp32_flat[index].data = stand_in
+        self.offload.partitions[index] = stand_in  # type: ignore[union-attr]
 
     def _init_gradient_hooks(self) -> None:
         self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
@@ -370,3 +413,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
 
     def partition_all_parameters(self) -> None:
         self.parameter_offload.partition_all_parameters()
+
+    def close(self) -> None:
+        """Wait for offload I/O and remove the swap files (also done at garbage collection and exit)."""
+        if self.param_swapper is not None:
+            self.param_swapper.close()
+        if self.offload is not None:
+            self.offload.close()
