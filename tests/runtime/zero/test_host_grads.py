@@ -2,11 +2,11 @@
 
 - the sink's arithmetic against plain tensor ops, and its submission order when a transfer is
   still in flight (a fake event stands in for the accelerator's);
-- through `zerospeed.initialize` on 2 ranks with `offload_optimizer: cpu`, stages 1 and 2, GAS 1
-  and 3: after the boundary backward (before the step) the partition the step reads is a host
-  buffer holding the reduced gradient of the global batch, the step gets exactly that buffer,
-  and the run equals the same run without offload bit for bit (`DeepSpeedCPUAdam` on both sides,
-  as in test_offload.py).
+- through `zerospeed.initialize` on 2 ranks with `offload_optimizer: cpu`, stages 1, 2 and 3, GAS
+  1 and 3: after the boundary backward (before the step) the partitions the step reads (stage 3:
+  `grad_flat`) are host buffers holding the reduced gradient of the global batch, the step gets
+  exactly those buffers, and the run equals the same run without offload bit for bit
+  (`DeepSpeedCPUAdam` on both sides, as in test_offload.py).
 """
 
 import pytest
@@ -18,6 +18,7 @@ import zerospeed
 from zerospeed.ops.adam import DeepSpeedCPUAdam
 from zerospeed.runtime.zero import host_grads
 from zerospeed.runtime.zero.host_grads import HostGradientSink
+from zerospeed.runtime.zero.param_state import rank_span
 
 WORLD_SIZE, MICRO, NUM_STEPS = 2, 2, 3
 
@@ -90,31 +91,59 @@ def _engine(stage, gas, offload, **zero_overrides):
     return engine
 
 
-def _reference_partitions(engine, x, y):
-    """Per group: this rank's partition of the flat mean gradient of the global batch (plain torch)."""
+def _reference_grads(x, y):
+    """Name -> flat mean gradient of the global batch (plain torch)."""
     reference = make_model()
     reference(x, y).backward()
-    by_name = {name: p.grad for name, p in reference.named_parameters()}
+    return {name: p.grad.reshape(-1) for name, p in reference.named_parameters()}
+
+
+def _reference_partitions(engine, x, y):
+    """Per group: this rank's partition of the flat mean gradient of the global batch."""
+    by_name = _reference_grads(x, y)
     names = {param: name for name, param in engine.module.named_parameters()}
     rank, partitions = torch.distributed.get_rank(), []
     for group in engine.optimizer.groups:
         flat = torch.zeros(group.layout.padded_numel)
         for param, offset in zip(group.params, group.layout.param_offsets):
-            flat.narrow(0, offset, param.numel()).copy_(by_name[names[param]].reshape(-1))
+            flat.narrow(0, offset, param.numel()).copy_(by_name[names[param]])
         partitions.append(flat.narrow(0, group.layout.partition_start(rank), group.layout.partition_numel))
     return partitions
 
 
+def _reference_grad_flat(engine, x, y):
+    """Stage 3, per sub-group: this rank's partitions of the mean gradient, end to end (padded)."""
+    by_name = _reference_grads(x, y)
+    rank, flats = torch.distributed.get_rank(), []
+    for sub_group in engine.optimizer.fp16_groups:
+        pieces = []
+        for param in sub_group:
+            start, real = rank_span(param.zs_state.numel, WORLD_SIZE, rank)
+            piece = torch.zeros(param.partition_numel())
+            piece.narrow(0, 0, real).copy_(by_name[param.zs_state.name].narrow(0, start, real))
+            pieces.append(piece)
+        flats.append(torch.cat(pieces))
+    return flats
+
+
+def _step_reads(optimizer):
+    """The gradient tensors the step hands to `OffloadStates.step`."""
+    if hasattr(optimizer, "grad_flat"):
+        return optimizer.grad_flat
+    return [g.partition_grad for g in optimizer.groups]
+
+
 def _first_boundary_checks(engine, x, y):
     """Before the first step: what the step will read, and whether it is the reduced gradient."""
-    optimizer = engine.optimizer
-    reads = [g.partition_grad for g in optimizer.groups]
+    optimizer, reads = engine.optimizer, _step_reads(engine.optimizer)
     on_host = all(t.device.type == "cpu" and t.is_pinned() == torch.cuda.is_available() for t in reads)
+    stage3 = hasattr(optimizer, "grad_flat")
     # stage 2: the partition buffer itself is on the host; stage 1: a host buffer beside the flat one
-    separate = all((g.partition_grad is g.grads) if optimizer.partition_gradients
-                   else g.partition_grad.untyped_storage().data_ptr() != g.grads.untyped_storage().data_ptr()
-                   for g in optimizer.groups)
-    close = all(torch.allclose(t, r, rtol=1e-5, atol=1e-7) for t, r in zip(reads, _reference_partitions(engine, x, y)))
+    separate = stage3 or all((g.partition_grad is g.grads) if optimizer.partition_gradients
+                             else g.partition_grad.untyped_storage().data_ptr() != g.grads.untyped_storage().data_ptr()
+                             for g in optimizer.groups)
+    expected = _reference_grad_flat(engine, x, y) if stage3 else _reference_partitions(engine, x, y)
+    close = all(torch.allclose(t, r, rtol=1e-5, atol=1e-7) for t, r in zip(reads, expected, strict=True))
     return {"on_host": on_host, "separate": separate, "reduced": close, "pending": optimizer.sink.num_pending}
 
 
@@ -136,10 +165,12 @@ def _run(stage, gas, offload, **zero_overrides):
             engine.backward(loss)
             if offload and step == 0 and micro_step == gas - 1:
                 checks = _first_boundary_checks(engine, x, y)
-                checks["read_ptrs"] = [g.partition_grad.data_ptr() for g in engine.optimizer.groups]
+                checks["read_ptrs"] = [g.data_ptr() for g in _step_reads(engine.optimizer)]
             engine.step()
             losses.append(loss.item())
-    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    named = dict(engine.module.named_parameters())
+    with zerospeed.zero.GatheredParameters(list(named.values())):    # stage 3; a no-op below it
+        params = {name: p.detach().clone() for name, p in named.items()}
     return losses, params, checks, stepped_with
 
 
@@ -147,9 +178,13 @@ def _offload_against_none(stage, gas, zero_overrides):
     return _run(stage, gas, False, **zero_overrides), _run(stage, gas, True, **zero_overrides)
 
 
+_STAGE3 = {"param_persistence_threshold": 0}    # every parameter gathered, not only the large ones
+
+
 @pytest.mark.parametrize("stage,zero_overrides", [
-    (1, {}), (1, {"overlap_comm": True}), (2, {}), (2, {"overlap_comm": True, "reduce_scatter": False})],
-    ids=["stage1", "stage1-overlap", "stage2", "stage2-overlap-allreduce"])
+    (1, {}), (1, {"overlap_comm": True}), (2, {}), (2, {"overlap_comm": True, "reduce_scatter": False}),
+    (3, {**_STAGE3, "overlap_comm": False}), (3, _STAGE3)],
+    ids=["stage1", "stage1-overlap", "stage2", "stage2-overlap-allreduce", "stage3", "stage3-overlap"])
 @pytest.mark.parametrize("gas", [1, 3])
 def test_gradients_reach_host_in_backward_and_match_no_offload(stage, zero_overrides, gas):
     for reference, offloaded in run_on_ranks(_offload_against_none, WORLD_SIZE, stage, gas, zero_overrides):

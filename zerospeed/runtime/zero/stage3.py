@@ -7,7 +7,7 @@ Tensors per rank, for each optimizer sub-group k (params in group order, cut whe
 - `fp32_flat[k]`: the fp32 master (a separate copy only for fp16 / bf16), what the base optimizer's
   param groups hold — one "param" per sub-group (DeepSpeed's `fp32_partitioned_groups_flat`).
 - `grad_flat[k]`: this rank's gradient partitions, in `grad_accum_dtype`, accumulated across
-  micro-steps; padding stays zero.
+  micro-steps; padding stays zero. In host memory with `offload_optimizer` (note below).
 
 [Note: gradient path]
 A post-accumulate-grad hook on each trainable parameter hands its full gradient to the bucket and
@@ -22,6 +22,17 @@ is gathered: parameters stay partitioned until the next forward fetches them.
 With `offload_optimizer` the fp32 masters and optimizer state of every sub-group belong to
 `OffloadStates` (offload_states.py: host memory or NVMe, stepped by the CPU optimizer, which writes
 `lp_flat[k]` back); `fp32_flat[k]` is then only a stand-in wrapping `lp_flat[k]`.
+
+[Note: offloaded gradients at stage 3]
+With `offload_optimizer` every `grad_flat[k]` is a host buffer (pinned when applicable) and each
+reduce-scattered bucket reaches it through a `HostGradientSink` (host_grads.py) as the bucket
+completes, overlapped with the rest of backward, as at stages 1 and 2 ([Note: offloaded
+gradients] in stage_1_and_2.py); the sink holds the bucket's output until its copy has landed.
+A slice whose widening to `grad_accum_dtype` is exact (bf16 into fp32) crosses as it is, half the
+bytes, and the host add widens it; a narrowing is done on the device first, as without offload,
+so both runs round the same way. `_finish_reductions` synchronizes the sink, so the overflow
+check, the norm (their per-rank scalar reduced on the accelerator) and `OffloadStates.step`
+(which takes views, no copy at the step) read final host gradients.
 """
 
 from __future__ import annotations
@@ -33,11 +44,13 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.config import ZeroStageEnum
+from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
 from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper, SwappedFlatAccess
@@ -66,6 +79,13 @@ def plan_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[li
     return groups
 
 
+def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the sink adds into a host `dtype` buffer: `reduced` itself when widening it to `dtype`
+    is exact (the host add then gives the bits of the device path's convert-then-add), else
+    `reduced` converted on the device, which rounds exactly as the path without offload does."""
+    return reduced if torch.promote_types(reduced.dtype, dtype) == dtype else reduced.to(dtype)
+
+
 @dataclasses.dataclass
 class _Slot:
     """Where a trainable parameter's partition lives: sub-group and offset in its flats."""
@@ -89,6 +109,9 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
                  offload: OffloadStates | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
         self.offload = offload
+        # [Note: offloaded gradients at stage 3]
+        self.sink = None if offload is None else HostGradientSink(bool(zero_config.offload_optimizer.pin_memory))
+        self._comm_device = None if offload is None else torch.device(get_accelerator().current_device_name())
         self.precision = precision
         self.zero_config = zero_config
         self.dp_group = dp_group
@@ -132,7 +155,9 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         self.fp16_groups.append(params)
         self.lp_flat.append(lp)
         self.fp32_flat.append(master)
-        self.grad_flat.append(torch.zeros_like(lp, dtype=self.precision.grad_accum_dtype))
+        dtype = self.precision.grad_accum_dtype
+        self.grad_flat.append(torch.zeros_like(lp, dtype=dtype) if self.sink is None
+                              else self.sink.host_buffer(lp.numel(), dtype))
         return master
 
     def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
@@ -270,7 +295,11 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             size = param.partition_numel()
             slot = self._slots[id(param)]
             dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
-            dest.add_(flight.output.narrow(0, offset, size).to(dest.dtype))
+            reduced = flight.output.narrow(0, offset, size)
+            if self.sink is None:
+                dest.add_(reduced.to(dest.dtype))
+            else:   # [Note: offloaded gradients at stage 3]
+                self.sink.add(dest, _for_host_add(reduced, dest.dtype))
             offset += size
 
     def backward_epilogue(self, is_boundary: bool) -> None:
@@ -281,18 +310,21 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         self._flush_bucket()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
+        if self.sink is not None:
+            self.sink.synchronize()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
         self.parameter_offload.partition_all_parameters()
 
     # --- the step -----------------------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
         self._finish_reductions()
-        grads = self.grad_flat
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group)
+        grads, device = self.grad_flat, self._comm_device
+        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group,
+                                                                         comm_device=device)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
             return
-        scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True)
+        scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True, comm_device=device)
         self._global_grad_norm = scaled_norm / self.loss_scale
         divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
         if self.offload is not None:
