@@ -45,11 +45,13 @@ class RunSpec:
     micro_batch: int = 4
     world_size: int = 2
     zero_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra zero_optimization keys
+    torch_adam: bool = True  # False: each system's fused CPU Adam (what DeepSpeed builds for offload)
+    tag: str = ""            # appended to the label (e.g. the offload device)
 
     @property
     def label(self) -> str:
         return f"{self.system}" + (f"-z{self.stage}" if self.system in ("zerospeed", "deepspeed") else "") + \
-            ("" if self.dtype == "fp32" else f"-{self.dtype}")
+            ("" if self.dtype == "fp32" else f"-{self.dtype}") + (f"-{self.tag}" if self.tag else "")
 
 
 @dataclasses.dataclass
@@ -131,7 +133,7 @@ def _ds_config(spec: RunSpec) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": spec.micro_batch, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01,
-                                                   "torch_adam": True}},
+                                                   "torch_adam": spec.torch_adam}},
         "gradient_clipping": 0.0, "zero_optimization": {"stage": spec.stage, **spec.zero_overrides},
     }
     if spec.dtype == "bf16":
