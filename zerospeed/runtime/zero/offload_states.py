@@ -14,7 +14,10 @@ the unscale/clip multiplier (`step`). Everything between is here:
   copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
   accelerator the copies to and from the device go through pinned buffers on a side stream.
 - nvme: units live in `OptimizerSwapper` files, read ahead and written behind around the step
-  ([Note: read-ahead / write-behind] in swap_tensor/optimizer_swapper.py).
+  ([Note: read-ahead / write-behind] in swap_tensor/optimizer_swapper.py). A new unit's file gets
+  its master and zero states; with `fast_init` only the master is written and the states are a
+  file hole that reads back as zeros, so no zeros are staged or written (the same bits). Without
+  nvme `fast_init` changes nothing: resident states are created by the first step anyway.
 - checkpoints: `optimizer_state_dict()` / `master_partition()` materialise the state in the layout
   the wrapper would have without offload (one optimizer param per partition), so checkpoints are
   interchangeable between offload and no offload, and nothing of the swap files is needed.
@@ -97,6 +100,7 @@ class OffloadStates:
         self.aio_config = aio_config
         self.nvme = str(offload_config.device.value if hasattr(offload_config.device, "value")
                         else offload_config.device) == "nvme"
+        self.fast_init = self.nvme and bool(getattr(offload_config, "fast_init", False))
         self.unit_numel = max(1, int(unit_numel))
         self.accelerator = get_accelerator()
         self._pin = bool(offload_config.pin_memory) and torch.cuda.is_available()
@@ -140,8 +144,11 @@ class OffloadStates:
         if self.swapper is None:
             master = torch.empty(initial.numel(), dtype=_FP32, pin_memory=self._pin)
             return master.copy_(initial)
-        zeros = torch.zeros_like(initial)
-        self.swapper.create(len(self.units), [initial] + [zeros] * len(self.state_names))
+        if self.fast_init:
+            self.swapper.create_fast(len(self.units), initial)
+        else:
+            zeros = torch.zeros_like(initial)
+            self.swapper.create(len(self.units), [initial] + [zeros] * len(self.state_names))
         return _EMPTY.clone()
 
     # --- swap in / out (no-ops when resident) ------------------------------------------------------
