@@ -70,6 +70,44 @@ def test_swapper_cycles_units_through_few_buffers(buffer_count, tmp_path):
     assert not os.path.exists(swap_dir)
 
 
+@pytest.mark.parametrize("num_units,buffer_count", [(6, 3), (7, 2), (3, 4)])
+def test_alternating_sweeps_reuse_the_cached_units(num_units, buffer_count, tmp_path):
+    """[Note: staging buffers as a write-back cache]: after the first sweep, each sweep (direction
+    alternating) reads and writes exactly `units - buffer_count` units; the values stay exact."""
+    aio = AsyncIOEngine(block_size=4096, intra_op_parallelism=2)
+    swapper = OptimizerSwapper(str(tmp_path / "swap"), 2, 1000, buffer_count, aio, False)
+    expected = {uid: [torch.full((1000,), float(uid)), torch.zeros(1000)] for uid in range(num_units)}
+    for uid, tensors in expected.items():
+        swapper.create(uid, tensors)
+    unit_bytes = 2 * aligned_bytes(1000 * 4)
+    traffic = []
+    for sweep in range(5):
+        order = list(range(num_units))[::(-1 if sweep % 2 else 1)]
+        before = (aio.bytes_read, aio.bytes_written)
+        swapper.begin_pass()
+        for position, uid in enumerate(order):
+            master, state = swapper.swap_in(uid)
+            for ahead in order[position + 1:]:
+                if not swapper.prefetch(ahead):
+                    break
+            assert swapper.resident_unit_bytes() <= swapper.staging_bytes
+            master.add_(uid + 1)
+            state.add_(master)
+            expected[uid][0] += uid + 1
+            expected[uid][1] += expected[uid][0]
+            swapper.swap_out(uid)
+        swapper.flush()
+        traffic.append(((aio.bytes_read - before[0]) // unit_bytes, (aio.bytes_written - before[1]) // unit_bytes))
+    evicted = max(0, num_units - buffer_count)
+    assert traffic[0] == (num_units, evicted)
+    assert traffic[1:] == [(evicted, evicted)] * 4
+    for uid, (master, state) in expected.items():
+        got = swapper.swap_in(uid)
+        assert torch.equal(got[0], master) and torch.equal(got[1], state), uid
+        swapper.swap_out(uid, dirty=False)
+    swapper.close()
+
+
 def test_swap_files_removed_when_the_swapper_is_collected(tmp_path):
     import gc
 

@@ -24,6 +24,7 @@ with the optimizer step, which also runs outside the GIL (the fused C++ kernel o
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -33,10 +34,20 @@ import torch
 
 from zerospeed.utils.logging import logger
 
-__all__ = ["ALIGNMENT", "AsyncIOEngine", "aligned_bytes", "aligned_empty"]
+__all__ = ["ALIGNMENT", "AsyncIOEngine", "Transfer", "aligned_bytes", "aligned_empty"]
 
 ALIGNMENT = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)     # 0 where the platform has none (macOS): always buffered
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One tensor <-> file transfer for `submit_chain`."""
+
+    path: str
+    tensor: torch.Tensor
+    offset: int
+    is_write: bool
 
 
 def aligned_bytes(num_bytes: int, alignment: int = ALIGNMENT) -> int:
@@ -149,9 +160,18 @@ class AsyncIOEngine:
     def submit_read(self, path: str, tensor: torch.Tensor, offset: int = 0) -> Future:
         return self._submit(self.read, path, tensor, offset)
 
-    def _submit(self, fn, path: str, tensor: torch.Tensor, offset: int) -> Future:  # type: ignore[no-untyped-def]
+    def submit_chain(self, transfers: list[Transfer]) -> Future:
+        """`transfers` one after another in one task (a write-back, then a read into the same
+        buffer): the order holds whatever `intra_op_parallelism` is, and nothing blocks the caller."""
+        return self._submit(self._run_chain, transfers)
+
+    def _run_chain(self, transfers: list[Transfer]) -> None:
+        for transfer in transfers:
+            self._transfer(transfer.path, transfer.tensor, transfer.offset, transfer.is_write)
+
+    def _submit(self, fn, *args) -> Future:  # type: ignore[no-untyped-def]
         self._slots.acquire()
-        future = self._pool.submit(fn, path, tensor, offset)
+        future = self._pool.submit(fn, *args)
         future.add_done_callback(lambda _: self._slots.release())
         return future
 

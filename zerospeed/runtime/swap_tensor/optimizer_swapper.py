@@ -10,12 +10,23 @@ transfer goes through O_DIRECT (aio_engine [Note: O_DIRECT]). `create_fast` (`fa
 only a new unit's master and leaves its zero states as a file hole.
 
 [Note: read-ahead / write-behind]
-The step walks the units in order. `prefetch(uid)` starts reading a unit if a buffer is free
-(it never blocks); `swap_in(uid)` waits for that read, or takes a buffer (waiting for a write to
-finish if none is free, else taking back the furthest read-ahead) and reads. `swap_out(uid)` starts writing the buffer back and returns at
-once; the buffer returns to the pool when the write completes. A unit's read waits for its own
-pending write, so it never sees stale bytes. With 3 or more buffers the optimizer works on unit
-k while k+1 is read and k-1 written.
+The step walks the units in order. `prefetch(uid)` starts reading a unit if a buffer can be had
+without waiting; `swap_in(uid)` waits for that read, or claims a buffer (taking back the furthest
+read-ahead if every buffer is busy) and reads. With 3 or more buffers the optimizer works on
+unit k while k+1 is read and k-1 written. A unit's read waits for its own pending write, so it
+never sees stale bytes.
+
+[Note: staging buffers as a write-back cache]
+`swap_out(uid)` does not write at once: the unit stays in its buffer, cached (dirty when the
+caller changed it), and is written back only when its buffer is claimed for another unit. The
+write-back and the read that follows into the same buffer are one `submit_chain` task, so
+neither blocks the caller. A buffer is claimed free first, else from the least recently released
+unit of the current pass (`begin_pass`): a read-ahead never evicts a unit the pass has yet to
+reach. With a sweep that alternates direction each step (offload_states.py, [Note: alternating
+sweep]) the units stepped last are the first ones needed next, already in their buffers: per step
+the disk sees `units - buffer_count` reads and as many writes, instead of `units` each way, and
+none at all when every unit fits in the buffers. RAM stays bounded by the buffers; the files hold
+every unit that is not cached (a cached dirty unit's file is stale until its write-back).
 
 Files live in a private directory under `nvme_path`, removed by `close()`, when the swapper is
 garbage collected, or at interpreter exit (`weakref.finalize`).
@@ -32,7 +43,7 @@ from concurrent.futures import Future
 
 import torch
 
-from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, aligned_bytes, aligned_empty
+from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, Transfer, aligned_bytes, aligned_empty
 
 __all__ = ["OptimizerSwapper", "StagingBuffers"]
 
@@ -89,11 +100,13 @@ class OptimizerSwapper:
         self.aio = aio
         self.pool = StagingBuffers(buffer_count, num_tensors * self.slot_numel, pin_memory)
         self._numel: dict[int, int] = {}
-        self._reads: dict[int, tuple[int, Future]] = {}    # uid -> (buffer, read future)
-        self._writes: dict[int, Future] = {}
-        self._held: dict[int, int] = {}                     # uid -> buffer, swapped in
-        self._writing: set[int] = set()                     # buffers being written back
-        self._lock = threading.Lock()
+        self._where: dict[int, int] = {}                 # uid -> buffer holding its bytes
+        self._reads: dict[int, Future] = {}              # uid -> its read (in insertion order)
+        self._held: set[int] = set()                     # swapped in (the caller's)
+        self._cached: dict[int, None] = {}               # released, least recently first
+        self._dirty: set[int] = set()                    # cached bytes newer than the file
+        self._this_pass: set[int] = set()                # released since `begin_pass`
+        self._writes: dict[int, Future] = {}             # uid -> write-back in flight
         self._finalizer = weakref.finalize(self, _remove_dir, swap_dir)
 
     # --- layout ---------------------------------------------------------------------------------
@@ -109,24 +122,24 @@ class OptimizerSwapper:
         flat = self.pool.buffers[buffer]
         return [flat.narrow(0, t * stride, numel) for t in range(self.num_tensors)]
 
-    # --- the unit life cycle -----------------------------------------------------------------------
+    # --- creating units --------------------------------------------------------------------------
     def create(self, uid: int, tensors: list[torch.Tensor]) -> None:
         """Write a new unit (synchronously): `tensors` are its master and states, same numel."""
+        self._forget(uid)
         numel = tensors[0].numel()
         self._numel[uid] = numel
-        buffer = self.pool.acquire()
-        try:
-            for view, tensor in zip(self._views(buffer, numel), tensors):
-                view.copy_(tensor.reshape(-1))
-            self.aio.write(self.path(uid), self._span(buffer, numel))
-        finally:
-            self.pool.release(buffer)
+        buffer = self._claim_now()
+        for view, tensor in zip(self._views(buffer, numel), tensors):
+            view.copy_(tensor.reshape(-1))
+        self.aio.write(self.path(uid), self._span(buffer, numel))
+        self.pool.release(buffer)
 
     def create_fast(self, uid: int, master: torch.Tensor) -> None:
         """`offload_optimizer.fast_init`: a new unit whose states are zeros, without writing them.
 
         Only the master slot is written; the file is sized to the whole unit with `ftruncate`, and
         the filesystem reads the hole back as zeros."""
+        self._forget(uid)
         numel = master.numel()
         self._numel[uid] = numel
         fd = os.open(self.path(uid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -134,72 +147,105 @@ class OptimizerSwapper:
             os.ftruncate(fd, self.num_tensors * aligned_bytes(numel * _ELEMENT_BYTES))
         finally:
             os.close(fd)
-        buffer = self.pool.acquire()
-        try:
-            self._views(buffer, numel)[0].copy_(master.reshape(-1))
-            self.aio.write(self.path(uid), self.pool.buffers[buffer].narrow(0, 0, aligned_numel(numel)))
-        finally:
-            self.pool.release(buffer)
+        buffer = self._claim_now()
+        self._views(buffer, numel)[0].copy_(master.reshape(-1))
+        self.aio.write(self.path(uid), self.pool.buffers[buffer].narrow(0, 0, aligned_numel(numel)))
+        self.pool.release(buffer)
+
+    def _forget(self, uid: int) -> None:
+        """Drop any copy of `uid` (it is being re-created) once its I/O has finished."""
+        if uid in self._held:
+            raise RuntimeError(f"unit {uid} is swapped in; swap_out before re-creating it")
+        for pending in (self._reads.pop(uid, None), self._writes.pop(uid, None)):
+            if pending is not None:
+                pending.result()
+        if uid in self._where:
+            self._cached.pop(uid, None)
+            self._dirty.discard(uid)
+            self.pool.release(self._where.pop(uid))
+
+    # --- buffers ---------------------------------------------------------------------------------
+    def _claim(self, this_pass_only: bool) -> tuple[int, int | None] | None:
+        """A buffer and the dirty unit to write back before reusing it (or None): a free buffer,
+        else the least recently released cached unit's ([Note: staging buffers as a write-back cache])."""
+        buffer = self.pool.try_acquire()
+        if buffer is not None:
+            return buffer, None
+        victim = next((u for u in self._cached if not this_pass_only or u in self._this_pass), None)
+        if victim is None:
+            return None
+        del self._cached[victim]
+        self._this_pass.discard(victim)
+        buffer = self._where.pop(victim)
+        if victim not in self._dirty:
+            return buffer, None
+        self._dirty.discard(victim)
+        return buffer, victim
+
+    def _claim_now(self) -> int:
+        """A buffer for synchronous use: write-back done; a read-ahead is taken back if need be."""
+        claimed = self._claim(this_pass_only=False)
+        if claimed is None:
+            if not self._reads:
+                raise RuntimeError(f"all {len(self.pool.buffers)} staging buffers are swapped in; swap_out first")
+            uid = next(reversed(self._reads))            # the furthest read-ahead
+            self._reads.pop(uid).result()
+            return self._where.pop(uid)
+        buffer, victim = claimed
+        if victim is not None:
+            self.aio.write(self.path(victim), self._span(buffer, self._numel[victim]))
+        return buffer
+
+    # --- the unit life cycle -----------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        """A new sweep over the units starts: what was released so far may be needed again soon."""
+        self._this_pass.clear()
 
     def prefetch(self, uid: int) -> bool:
-        """Start reading `uid` if a buffer is free; False when none is (never blocks)."""
-        if uid in self._reads or uid in self._held:
+        """Start reading `uid` if a buffer can be had without waiting; False when none can."""
+        if uid in self._where:
             return True
-        buffer = self.pool.try_acquire()
-        if buffer is None:
+        claimed = self._claim(this_pass_only=True)
+        if claimed is None:
             return False
-        self._start_read(uid, buffer)
+        self._start_read(uid, *claimed)
         return True
 
-    def _start_read(self, uid: int, buffer: int) -> None:
+    def _start_read(self, uid: int, buffer: int, victim: int | None) -> None:
+        """Read `uid` into `buffer`, after writing back `victim` from it (one chained task)."""
         pending = self._writes.pop(uid, None)
         if pending is not None:
             pending.result()
-        future = self.aio.submit_read(self.path(uid), self._span(buffer, self._numel[uid]))
-        self._reads[uid] = (buffer, future)
+        transfers = [] if victim is None else [Transfer(self.path(victim), self._span(buffer, self._numel[victim]),
+                                                        0, is_write=True)]
+        transfers.append(Transfer(self.path(uid), self._span(buffer, self._numel[uid]), 0, is_write=False))
+        future = self.aio.submit_chain(transfers)
+        if victim is not None:
+            self._writes[victim] = future
+        self._reads[uid] = future
+        self._where[uid] = buffer
 
     def swap_in(self, uid: int) -> list[torch.Tensor]:
         """The unit's tensors (views into a staging buffer), after its read completes."""
-        if uid in self._held:
-            return self._views(self._held[uid], self._numel[uid])
-        if uid not in self._reads:
-            self._start_read(uid, self._take_buffer())
-        buffer, future = self._reads.pop(uid)
-        future.result()
-        self._held[uid] = buffer
-        return self._views(buffer, self._numel[uid])
-
-    def _take_buffer(self) -> int:
-        """A free buffer: wait for a write to finish, else take back the furthest read-ahead."""
-        with self._lock:
-            buffer = self.pool.try_acquire()
-            writing = bool(self._writing)
-        if buffer is not None:
-            return buffer
-        if writing:
-            return self.pool.acquire()      # a write completes and frees its buffer
-        if not self._reads:
-            raise RuntimeError(f"all {len(self.pool.buffers)} staging buffers are swapped in; swap_out first")
-        buffer, future = self._reads.pop(next(reversed(self._reads)))
-        future.result()
-        return buffer
-
-    def _write_done(self, buffer: int) -> None:
-        with self._lock:
-            self._writing.discard(buffer)
-            self.pool.release(buffer)
+        if uid not in self._where:
+            buffer = self._claim_now()
+            self._start_read(uid, buffer, None)
+        read = self._reads.pop(uid, None)
+        if read is not None:
+            read.result()
+        self._cached.pop(uid, None)
+        self._this_pass.discard(uid)
+        self._held.add(uid)
+        return self._views(self._where[uid], self._numel[uid])
 
     def swap_out(self, uid: int, dirty: bool = True) -> None:
-        """Write the unit back behind the caller's back; its buffer is freed when the write ends."""
-        buffer = self._held.pop(uid)
-        if not dirty:
-            self.pool.release(buffer)
-            return
-        with self._lock:
-            self._writing.add(buffer)
-        future = self.aio.submit_write(self.path(uid), self._span(buffer, self._numel[uid]))
-        future.add_done_callback(lambda _: self._write_done(buffer))
-        self._writes[uid] = future
+        """Hand the unit back: it stays cached in its buffer, written back when the buffer is
+        claimed ([Note: staging buffers as a write-back cache])."""
+        self._held.remove(uid)
+        if dirty:
+            self._dirty.add(uid)
+        self._cached[uid] = None
+        self._this_pass.add(uid)
 
     def update(self, uid: int, fn: Callable[[list[torch.Tensor]], None]) -> None:
         """Read-modify-write of one unit (checkpoint load)."""
@@ -207,7 +253,7 @@ class OptimizerSwapper:
         self.swap_out(uid)
 
     def flush(self) -> None:
-        """Wait for every write; re-raises an I/O error."""
+        """Wait for every write-back in flight; re-raises an I/O error."""
         writes, self._writes = self._writes, {}
         for future in writes.values():
             future.result()
@@ -218,15 +264,14 @@ class OptimizerSwapper:
         return self.pool.nbytes
 
     def resident_unit_bytes(self) -> int:
-        """Bytes of unit tensors currently swapped in (held or being read)."""
-        uids = list(self._held) + list(self._reads)
-        return sum(self.num_tensors * self._numel[uid] * _ELEMENT_BYTES for uid in uids)
+        """Bytes of unit tensors in the staging buffers right now (held, cached or being read)."""
+        return sum(self.num_tensors * self._numel[uid] * _ELEMENT_BYTES for uid in self._where)
 
     def file_bytes(self) -> int:
         return sum(os.path.getsize(self.path(uid)) for uid in self._numel if os.path.exists(self.path(uid)))
 
     def close(self) -> None:
-        for _buffer, future in self._reads.values():
+        for future in self._reads.values():
             future.result()
         self._reads.clear()
         self.flush()

@@ -14,10 +14,12 @@ the unscale/clip multiplier (`step`). Everything between is here:
   copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
   accelerator the copies to and from the device go through pinned buffers on a side stream.
 - nvme: units live in `OptimizerSwapper` files, read ahead and written behind around the step
-  ([Note: read-ahead / write-behind] in swap_tensor/optimizer_swapper.py). A new unit's file gets
-  its master and zero states; with `fast_init` only the master is written and the states are a
-  file hole that reads back as zeros, so no zeros are staged or written (the same bits). Without
-  nvme `fast_init` changes nothing: resident states are created by the first step anyway.
+  ([Note: read-ahead / write-behind] in swap_tensor/optimizer_swapper.py); the step sweeps them
+  in alternating directions so the staging buffers act as a cache ([Note: alternating sweep]).
+  A new unit's file gets its master and zero states; with `fast_init` only the master is written
+  and the states are a file hole that reads back as zeros, so no zeros are staged or written
+  (the same bits). Without nvme `fast_init` changes nothing: resident states are created by the
+  first step anyway.
 - checkpoints: `optimizer_state_dict()` / `master_partition()` materialise the state in the layout
   the wrapper would have without offload (one optimizer param per partition), so checkpoints are
   interchangeable between offload and no offload, and nothing of the swap files is needed.
@@ -113,6 +115,7 @@ class OffloadStates:
         self.state_names: tuple[str, ...] = getattr(optimizer, "STATE_NAMES", ())
         self.swapper: OptimizerSwapper | None = None
         self.peak_resident_bytes = 0
+        self._num_sweeps = 0
         if self.nvme:
             self._init_swapper(offload_config, aio_config, swap_name)
 
@@ -175,6 +178,8 @@ class OffloadStates:
     def _units_in_order(self, uids: list[int] | None = None) -> Iterator[_Unit]:
         """Each unit swapped in, prefetching the following ones while the caller works on it."""
         order = list(range(len(self.units))) if uids is None else uids
+        if self.swapper is not None:
+            self.swapper.begin_pass()
         ahead = 0
         for position, uid in enumerate(order):
             unit = self.units[uid]
@@ -191,7 +196,7 @@ class OffloadStates:
         """One update of every unit from the partitioned `grads` (one per registered partition,
         same layout), multiplied by `multiplier` (unscale and clip) first."""
         copy_out = isinstance(self.optimizer, CPUOptimizer)
-        for unit in self._units_in_order():
+        for unit in self._units_in_order(self._sweep_order()):
             grad = self._host_grad(grads[unit.partition].narrow(0, unit.offset, unit.numel))
             scale_([grad], multiplier)
             unit.master.grad = grad
@@ -209,6 +214,16 @@ class OffloadStates:
             self._release(unit)
         if self.swapper is not None:
             self.swapper.flush()
+
+    def _sweep_order(self) -> list[int]:
+        """[Note: alternating sweep] Units are independent (an elementwise optimizer on each), so
+        the order they are stepped in does not change a bit. Under nvme, every other step walks
+        them backwards: the units the last step left in the staging buffers are the first ones
+        this step needs, and are not read again ([Note: staging buffers as a write-back cache]
+        in swap_tensor/optimizer_swapper.py)."""
+        self._num_sweeps += 1
+        order = list(range(len(self.units)))
+        return order[::-1] if self.swapper is not None and self._num_sweeps % 2 == 0 else order
 
     def _host_grad(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.device.type == "cpu":
