@@ -7,7 +7,8 @@ Part 1, the training step. Each case is a ZeRO stage and an `offload_optimizer` 
 and DeepSpeed run it with the same ds_config (benchmarks/harness.py: the GPT model, 2 gloo ranks x
 1 thread, fresh processes per run, rounds alternating the order), both with their own fused CPU
 Adam (`torch_adam: false`, what DeepSpeed builds for offload), swap files in a fresh directory
-under `--nvme-dir`. Reported: median step wall time, peak RSS per rank, and the ratios.
+under `--nvme-dir`. Reported: median step wall time (and its forward / backward / `step()`
+parts), peak RSS per rank, and the ratios.
 DeepSpeed's stages 1 and 2 treat `nvme` as `cpu` (no swapping), so its z2-nvme row is a CPU
 offload run; zerospeed swaps at every stage.
 
@@ -66,19 +67,25 @@ def training_table(args: argparse.Namespace) -> None:
     print(f"\nmodel={args.model} ({MODELS[args.model]}), 2 ranks x 1 thread, gloo, sub_group_size "
           f"{args.sub_group_size}, medians over {args.rounds} rounds")
     print("| case | zerospeed step s | DeepSpeed step s | step ratio | zerospeed peak RSS MiB | "
-          "DeepSpeed peak RSS MiB | RSS ratio | final loss zs / DS |")
-    print("|---|---|---|---|---|---|---|---|")
+          "DeepSpeed peak RSS MiB | RSS ratio | zerospeed fwd / bwd / step s | DeepSpeed fwd / bwd / step s | "
+          "final loss zs / DS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case in args.cases:
         ours, theirs = (_median(collected[f"{s}-z{case[1]}-{case.split('-')[1]}"]) for s in systems)
         print(f"| {case} | {ours.step_s:.3f} | {theirs.step_s:.3f} | **{ours.step_s / theirs.step_s:.2f}** | "
               f"{ours.peak_rss_mib:.0f} | {theirs.peak_rss_mib:.0f} | **{ours.peak_rss_mib / theirs.peak_rss_mib:.2f}** | "
-              f"{ours.final_loss:.4f} / {theirs.final_loss:.4f} |")
+              f"{_phases(ours)} | {_phases(theirs)} | {ours.final_loss:.4f} / {theirs.final_loss:.4f} |")
 
 
 def _median(results: list[RunResult]) -> RunResult:
-    return RunResult(results[0].label, *(statistics.median(getattr(r, f) for r in results)
-                                         for f in ("step_s", "cpu_s", "peak_rss_mib", "comm_mib_per_step",
-                                                   "final_loss")))
+    scalars = (statistics.median(getattr(r, f) for r in results)
+               for f in ("step_s", "cpu_s", "peak_rss_mib", "comm_mib_per_step", "final_loss"))
+    phases = tuple(statistics.median(r.phases_s[i] for r in results) for i in range(3))
+    return RunResult(results[0].label, *scalars, phases)
+
+
+def _phases(result: RunResult) -> str:
+    return " / ".join(f"{seconds:.2f}" for seconds in result.phases_s)
 
 
 # --- part 2: the disk -----------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class RunResult:
     peak_rss_mib: float
     comm_mib_per_step: float
     final_loss: float
+    phases_s: tuple[float, float, float] = (0.0, 0.0, 0.0)  # median forward, backward, step (slowest rank)
 
 
 # --- byte counting for peers ---------------------------------------------------------------------
@@ -208,31 +209,36 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
     model = GPT(config)
     counter = _CollectiveCounter()
     forward, backward, step = _build(spec, model, counter)
-    step_times, cpu_times, loss = [], [], torch.zeros(())
+    step_times, cpu_times, phase_times, loss = [], [], [], torch.zeros(())
     for index, (x, y) in enumerate(_batches(spec, rank, config.block_size)):
         measured = index >= spec.warmup
         if index == spec.warmup:
             _reset_comm(spec, counter, active=True)
         wall0, cpu0 = time.perf_counter(), time.process_time()
         loss = forward(x, y)
+        wall1 = time.perf_counter()
         backward(loss)
+        wall2 = time.perf_counter()
         step()
+        wall3 = time.perf_counter()
         if measured:
-            step_times.append(time.perf_counter() - wall0)
+            step_times.append(wall3 - wall0)
             cpu_times.append(time.process_time() - cpu0)
+            phase_times.append((wall1 - wall0, wall2 - wall1, wall3 - wall2))
     measured_steps = spec.steps - spec.warmup
     comm_per_step = _comm_bytes(spec, counter) / measured_steps
     counter.active = False
     stats = torch.tensor([statistics.median(step_times), statistics.median(cpu_times),
                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, comm_per_step,
-                          float(loss.float().item())], dtype=torch.float64)
+                          float(loss.float().item())] +
+                         [statistics.median(p[i] for p in phase_times) for i in range(3)], dtype=torch.float64)
     gathered = [torch.zeros_like(stats) for _ in range(spec.world_size)]
     dist.all_gather(gathered, stats)
     if rank == 0:
         table = torch.stack(gathered)
         results.put(RunResult(spec.label, float(table[:, 0].max()), float(table[:, 1].max()),
                               float(table[:, 2].max()), float(table[:, 3].max()) / 2**20,
-                              float(table[:, 4].mean())))
+                              float(table[:, 4].mean()), tuple(float(table[:, i].max()) for i in (5, 6, 7))))
         results.close()
         results.join_thread()  # flush the queue's feeder thread before os._exit
     dist.barrier()

@@ -303,7 +303,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         world_size, part_numel = self.dp_world_size, group.layout.partition_numel
         rows = group.lp_flat.view(world_size, part_numel)
         for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
-            shard = rows[self.dp_rank].narrow(0, offset, numel).clone()
+            # No copy of the shard: a whole-partition gather is in place (its input is this rank's
+            # row of the output), which NCCL documents and torch's gloo backend does through its
+            # own staging buffer; a chunked one gathers into a separate buffer.
+            shard = rows[self.dp_rank].narrow(0, offset, numel)
             if numel == part_numel:
                 comm.all_gather_into_tensor(group.lp_flat, shard, group=self.dp_process_group)
                 continue
