@@ -16,6 +16,8 @@ Part 2, the disk. The same `--io-mib` are written and read back sequentially by
   - `dd bs=1M oflag=direct` / `iflag=direct` (one process, O_DIRECT, as a `fio` sequential job),
   - zerospeed's `AsyncIOEngine` with the `aio` defaults, in swap-unit sized transfers submitted
     asynchronously (what the optimizer swapper does),
+  - a bare loop of 1 MiB O_DIRECT `pwrite` / `preadv` calls into the same memory as the engine
+    (dd reuses one 1 MiB buffer; distinct destination memory can be slower, see docs/benchmarks.md),
 in alternation, best of `--io-rounds`; throughput in MB/s and zerospeed / dd.
 """
 
@@ -131,14 +133,41 @@ def engine_throughput(path: str, mib: int, unit_mib: int) -> tuple[float, float]
     return total / timings[0] / 1e6, total / timings[1] / 1e6
 
 
+def syscall_throughput(path: str, mib: int, unit_mib: int) -> tuple[float, float]:
+    """(write, read) MB/s of a bare loop of 1 MiB O_DIRECT `pwrite` / `preadv` calls over the same
+    destination memory as `engine_throughput`: the ceiling the engine's own work is measured by."""
+    import torch
+
+    from zerospeed.runtime.swap_tensor.aio_engine import aligned_empty
+
+    memory = aligned_empty(max(1, mib // unit_mib) * unit_mib * 2**20, torch.uint8).fill_(7)
+    view = memoryview(memory.numpy()).cast("B")
+    block, timings = 2**20, []
+    for flags in (os.O_WRONLY | os.O_CREAT, os.O_RDONLY):
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+        started = time.perf_counter()
+        for offset in range(0, len(view), block):
+            if flags == os.O_RDONLY:
+                os.preadv(fd, [view[offset:offset + block]], offset)
+            else:
+                os.pwrite(fd, view[offset:offset + block], offset)
+        os.fsync(fd)
+        os.close(fd)
+        timings.append(time.perf_counter() - started)
+    os.remove(path)
+    return len(view) / timings[0] / 1e6, len(view) / timings[1] / 1e6
+
+
 def io_table(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix="zs-io-bench-", dir=args.nvme_dir)
-    best: dict[str, list[float]] = {"dd": [0.0, 0.0], "zerospeed AsyncIOEngine": [0.0, 0.0]}
+    runs = {"dd": lambda path: dd_throughput(path, args.io_mib),
+            "zerospeed AsyncIOEngine": lambda path: engine_throughput(path, args.io_mib, args.io_unit_mib),
+            "bare pwrite / preadv loop": lambda path: syscall_throughput(path, args.io_mib, args.io_unit_mib)}
+    best = {name: [0.0, 0.0] for name in runs}
     try:
         for _ in range(args.io_rounds):
-            for name, figures in (("dd", dd_throughput(os.path.join(directory, "dd.bin"), args.io_mib)),
-                                  ("zerospeed AsyncIOEngine",
-                                   engine_throughput(os.path.join(directory, "zs.swp"), args.io_mib, args.io_unit_mib))):
+            for name, measure in runs.items():
+                figures = measure(os.path.join(directory, "io.bin"))
                 best[name] = [max(a, b) for a, b in zip(best[name], figures)]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
