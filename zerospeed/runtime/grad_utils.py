@@ -4,7 +4,9 @@ The norm is accumulated in float64 as DeepSpeed does, so fp32 runs reproduce tor
 `clip_grad_norm_` within rounding. For partitioned gradients pass the data-parallel `group`: the
 squares are summed over ranks before the square root. Replicated gradients pass `group=None`.
 Gradients in host memory (optimizer offload) pass `comm_device`, the device the communication
-backend works on: only the per-rank scalar moves there (NCCL cannot reduce a host tensor).
+backend works on: only the per-rank scalar moves there (NCCL cannot reduce a host tensor). The
+tensors may sit on different devices (stage 3 with `offload_optimizer.ratio < 1`): each one's
+scalar joins the first one's device, in order, so the float64 sum adds in the same order.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def any_non_finite(tensors: Iterable[torch.Tensor], group: Any = None, reduce: b
                    comm_device: torch.device | None = None) -> bool:
     """True when any tensor here (or, with `reduce`, on any rank of `group`) holds inf or nan."""
     flags = [(~torch.isfinite(t)).any() for t in tensors]
+    flags = [flag.to(flags[0].device) for flag in flags]
     local = torch.stack(flags).any().to(torch.float32) if flags else torch.zeros(())
     local = local.reshape(1) if comm_device is None else local.reshape(1).to(comm_device)
     if reduce and comm.is_initialized():
@@ -36,7 +39,7 @@ def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     total: torch.Tensor | None = None
     for tensor in tensors:
         part = torch.linalg.vector_norm(tensor, dtype=torch.float64) ** 2
-        total = part if total is None else total + part
+        total = part if total is None else total + part.to(total.device)
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 

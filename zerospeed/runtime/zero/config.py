@@ -162,8 +162,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     def _cross_checks(self) -> DeepSpeedZeroConfig:
         if self.legacy_stage1:
             raise ValueError("legacy_stage1 has been removed; drop it from the config")
-        if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1 and self.stage != 3:
-            raise ValueError("Partial offloading only supported for ZeRO Stage 3")
+        if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1:
+            self._check_partial_offload()
         if self.elastic_checkpoint and self.stage == 3:
             raise ValueError("elastic_checkpoint is not supported with ZeRO stage 3")
         if self.offload_param is not None and self.offload_param.enabled and self.stage != 3:
@@ -176,6 +176,16 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         if not self.compute_grad_norm and self.stage == 3:
             raise ValueError("compute_grad_norm=false is only supported for ZeRO stages 1 and 2")
         return self
+
+    def _check_partial_offload(self) -> None:
+        """`offload_optimizer.ratio < 1`: stage 3 only (DeepSpeed's check); inert without optimizer offload."""
+        if self.stage != 3:
+            raise ValueError("Partial offloading only supported for ZeRO Stage 3")
+        if not self.offload_optimizer.enabled:  # type: ignore[union-attr]
+            warn_config("zero_optimization.offload_optimizer.ratio is ignored: offload_optimizer.device is 'none'")
+        elif self.offload_param is not None and self.offload_param.device == OffloadDeviceEnum.nvme:
+            raise ValueError("zero_optimization.offload_optimizer.ratio < 1 is not supported with "
+                             "offload_param.device 'nvme': set ratio to 1 or offload_param.device to 'cpu'")
 
     @property
     def offload_optimizer_device(self) -> OffloadDeviceEnum:

@@ -11,6 +11,9 @@ memory for the offloaded tensors (reference §13 counts the same things):
   elements times (1 + states);
 - parameter offload `cpu` (stage 3): the parameter partition in its dtype.
 
+With `offload_optimizer.ratio < 1` (stage 3) the optimizer terms count only the offloaded
+sub-groups' elements (`offloaded_numel`, from sub_groups.py); the rest stays on the accelerator.
+
 Every rank of a node allocates its own share, so the node needs `local ranks x per rank`;
 `check_host_memory` compares that with psutil's available memory and raises `ValueError`.
 """
@@ -21,7 +24,7 @@ import dataclasses
 import os
 from typing import Any
 
-__all__ = ["HostMemoryPlan", "check_host_memory", "plan_host_bytes"]
+__all__ = ["HostMemoryPlan", "check_host_memory", "offloaded_numel", "plan_host_bytes"]
 
 _GIB = 2**30
 _STATES_PER_OPTIMIZER = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
@@ -43,24 +46,42 @@ def _device_name(block: Any) -> str:
 
 
 def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states: int = 2,
-                    param_element_bytes: int = 4, local_ranks: int = 1) -> HostMemoryPlan:
-    """Host bytes one rank allocates for the offloaded tensors of a model of `numel` elements."""
+                    param_element_bytes: int = 4, local_ranks: int = 1,
+                    offloaded_numel: int | None = None) -> HostMemoryPlan:
+    """Host bytes one rank allocates for the offloaded tensors of a model of `numel` elements;
+    `offloaded_numel`: the elements of this rank's partition the optimizer offload holds (all of
+    them when None)."""
     partition = -(-numel // max(1, dp_world_size))
+    offloaded = partition if offloaded_numel is None else offloaded_numel
     optimizer_block, param_block = zero_config.offload_optimizer, zero_config.offload_param
     parts: dict[str, int] = {}
     optimizer_device = _device_name(optimizer_block)
     if optimizer_device == "cpu":
-        parts["fp32 master partition"] = 4 * partition
-        parts[f"optimizer states ({num_states} x fp32)"] = 4 * num_states * partition
+        parts["fp32 master partition"] = 4 * offloaded
+        parts[f"optimizer states ({num_states} x fp32)"] = 4 * num_states * offloaded
         if param_element_bytes < 4:
-            parts["low-precision copy-out staging"] = param_element_bytes * partition
+            parts["low-precision copy-out staging"] = param_element_bytes * offloaded
     elif optimizer_device == "nvme":
-        unit = min(partition, max(1, int(zero_config.sub_group_size)))
+        unit = min(offloaded, max(1, int(zero_config.sub_group_size)))
         count = optimizer_block.buffer_count
         parts[f"nvme staging buffers ({count} x {unit} elements)"] = count * 4 * (1 + num_states) * unit
     if _device_name(param_block) == "cpu" and int(zero_config.stage) == 3:
         parts["parameter partition"] = param_element_bytes * partition
     return HostMemoryPlan(parts, max(1, local_ranks))
+
+
+def offloaded_numel(param_groups: list[dict[str, Any]], zero_config: Any, dp_world_size: int) -> int | None:
+    """Stage 3 with `offload_optimizer.ratio < 1`: this rank's elements in offloaded sub-groups, cut
+    as stage 3 will cut the optimizer's `param_groups`; None (everything) otherwise."""
+    from zerospeed.runtime.zero.param_state import partition_numel
+    from zerospeed.runtime.zero.sub_groups import offloaded_partition_numel
+
+    block = zero_config.offload_optimizer
+    if block is None or float(block.ratio) >= 1 or int(zero_config.stage) != 3:
+        return None
+    numels = [[partition_numel(int(getattr(p, "ds_numel", p.numel())), dp_world_size)
+               for p in group["params"] if p.requires_grad] for group in param_groups]
+    return offloaded_partition_numel(numels, int(zero_config.sub_group_size), float(block.ratio))
 
 
 def available_host_bytes() -> int:

@@ -61,7 +61,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(_OffloadConfig):
     fast_init: bool = False
     """Initialise optimizer state on nvme without staging through CPU."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
-    """Fraction of sub-groups offloaded (stage 3 only when < 1)."""
+    """Fraction of stage-3 sub-groups offloaded, the last ones (DeepSpeed's `int((1 - ratio) * N)`
+    rule, docs/offload.md); < 1 is stage 3 only, the others stay on the accelerator."""
     super_offload: bool = False
     """SuperOffload (stage 3 CPU-GPU overlap)."""
     cpuadam_cores_perc: float = Field(0.8, gt=0.0, le=1.0)

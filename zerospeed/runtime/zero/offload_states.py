@@ -377,6 +377,7 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     from zerospeed.runtime.zero.host_memory_check import (
         check_host_memory,
         local_ranks_from_env,
+        offloaded_numel,
         plan_host_bytes,
     )
 
@@ -385,8 +386,10 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
     num_states = len(getattr(optimizer, "STATE_NAMES", ("exp_avg", "exp_avg_sq")))
     element_bytes = torch.empty(0, dtype=param_dtype).element_size()
-    check_host_memory(plan_host_bytes(numel, comm.get_world_size(dp_group), zero_config, num_states,
-                                      element_bytes, local_ranks_from_env()))
+    world_size = comm.get_world_size(dp_group)
+    offloaded = offloaded_numel(optimizer.param_groups, zero_config, world_size)
+    check_host_memory(plan_host_bytes(numel, world_size, zero_config, num_states, element_bytes,
+                                      local_ranks_from_env(), offloaded))
     if block is None or not block.enabled:
         return None
     swap_name = f"rank{comm.get_rank():02d}_pid{os.getpid()}"

@@ -19,12 +19,17 @@ The step: overflow (fp16), global norm over the partitions (squares summed over 
 and clip, base optimizer, copy to `lp_flat`, re-gather the persistent parameters. Nothing else
 is gathered: parameters stay partitioned until the next forward fetches them.
 
-With `offload_optimizer` the fp32 masters and optimizer state of every sub-group belong to
-`OffloadStates` (offload_states.py: host memory or NVMe, stepped by the CPU optimizer, which writes
-`lp_flat[k]` back); `fp32_flat[k]` is then only a stand-in wrapping `lp_flat[k]`.
+With `offload_optimizer` the fp32 masters and optimizer state of the offloaded sub-groups belong
+to `OffloadStates` (offload_states.py: host memory or NVMe, stepped by the CPU optimizer, which
+writes `lp_flat[k]` back); their `fp32_flat[k]` is then only a stand-in wrapping `lp_flat[k]`.
+That is every sub-group unless `offload_optimizer.ratio < 1`: then the first `num_on_device`
+sub-groups (sub_groups.py, DeepSpeed's rounding) take the path without offload, stepped by the
+CPU optimizer's torch counterpart, and sub-group k >= num_on_device is `OffloadStates` partition
+`k - num_on_device` ([Note: partial offload] in partial_offload.py). Sub-groups are cut and placed
+(sub_groups.py) before any is built; checkpoints: stage3_checkpoint.py.
 
 [Note: offloaded gradients at stage 3]
-With `offload_optimizer` every `grad_flat[k]` is a host buffer (pinned when applicable) and each
+The `grad_flat[k]` of an offloaded sub-group is a host buffer (pinned when applicable) and each
 reduce-scattered bucket reaches it through a `HostGradientSink` (host_grads.py) as the bucket
 completes, overlapped with the rest of backward, as at stages 1 and 2 ([Note: offloaded
 gradients] in stage_1_and_2.py); the sink holds the bucket's output until its copy has landed.
@@ -49,34 +54,19 @@ from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
-from zerospeed.runtime.zero.config import ZeroStageEnum
 from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload_states import OffloadStates
+from zerospeed.runtime.zero.partial_offload import build_device_optimizer
+from zerospeed.runtime.zero.sub_groups import num_sub_groups_on_device, plan_sub_groups
 from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
 from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper, SwappedFlatAccess
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-from zerospeed.version import __version__
+from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 
 _MAX_IN_FLIGHT = 2
-
-
-def plan_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[list[int]]:
-    """Indices cut into runs whose partition numel first reaches `sub_group_size` (pure)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for index, numel in enumerate(partition_numels):
-        current.append(index)
-        total += numel
-        if total >= sub_group_size:
-            groups.append(current)
-            current, total = [], 0
-    if current:
-        groups.append(current)
-    return groups
 
 
 def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +92,7 @@ class _InFlight:
     params: list[ZeroParameter]
 
 
-class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
@@ -133,13 +123,37 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         self.fp32_flat: list[torch.nn.Parameter] = []
         self.grad_flat: list[torch.Tensor] = []
         self._slots: dict[int, _Slot] = {}
-        for group in self.optimizer.param_groups:
-            trainable = [p for p in group["params"] if p.requires_grad]
-            cuts = plan_sub_groups([p.partition_numel() for p in trainable], int(self.zero_config.sub_group_size))
-            masters = [self._build_sub_group([trainable[i] for i in cut]) for cut in cuts]
-            if self.offload is not None:
-                masters = [unit for master in masters for unit in self.offload.register(group, master.data)]
-            group["params"] = masters
+        self._group_ranges: list[range] = []    # each param group's sub-group indices
+        groups = self.optimizer.param_groups
+        trainable = [[p for p in group["params"] if p.requires_grad] for group in groups]
+        cuts = [plan_sub_groups([p.partition_numel() for p in params], int(self.zero_config.sub_group_size))
+                for params in trainable]
+        num_sub_groups = sum(len(group_cuts) for group_cuts in cuts)
+        # [Note: partial offload] in partial_offload.py; no offload places every sub-group as ratio 0 does
+        ratio = float(self.zero_config.offload_optimizer.ratio) if self.offload is not None else 0.0
+        self.num_on_device = num_sub_groups_on_device(num_sub_groups, ratio)
+        on_device = []
+        for group, params, group_cuts in zip(groups, trainable, cuts):
+            start = len(self.fp32_flat)
+            masters = [self._build_sub_group([params[i] for i in cut]) for cut in group_cuts]
+            self._group_ranges.append(range(start, len(self.fp32_flat)))
+            on_device.append([m for k, m in enumerate(masters, start) if not self._offloaded(k)])
+            units = [unit for k, m in enumerate(masters, start) if self._offloaded(k)
+                     for unit in self.offload.register(group, m.data)]  # type: ignore[union-attr]
+            group["params"] = on_device[-1] if self.offload is None else units
+        self._device_optimizer = self._init_device_optimizer(on_device, ratio)
+
+    def _init_device_optimizer(self, on_device: list[list[torch.nn.Parameter]],
+                               ratio: float) -> torch.optim.Optimizer | None:
+        """What steps the masters kept on the device: the base optimizer without offload, its torch
+        counterpart with `ratio < 1`, nothing with everything offloaded."""
+        if self.offload is None:
+            return self.optimizer
+        return build_device_optimizer(self.optimizer, on_device) if ratio < 1 else None
+
+    def _offloaded(self, sub_group: int) -> bool:
+        """Whether `OffloadStates` holds this sub-group (as its partition `sub_group - num_on_device`)."""
+        return sub_group >= self.num_on_device
 
     def _build_sub_group(self, params: list[ZeroParameter]) -> torch.nn.Parameter:
         index = len(self.fp16_groups)
@@ -151,13 +165,14 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             set_partition(param, lp.narrow(0, offset, size))
             self._slots[id(param)] = _Slot(index, offset)
             offset += size
-        master = torch.nn.Parameter(lp if dtype == torch.float32 or self.offload is not None else lp.float())
+        offloaded = self._offloaded(index)
+        master = torch.nn.Parameter(lp if dtype == torch.float32 or offloaded else lp.float())
         self.fp16_groups.append(params)
         self.lp_flat.append(lp)
         self.fp32_flat.append(master)
         dtype = self.precision.grad_accum_dtype
-        self.grad_flat.append(torch.zeros_like(lp, dtype=dtype) if self.sink is None
-                              else self.sink.host_buffer(lp.numel(), dtype))
+        self.grad_flat.append(self.sink.host_buffer(lp.numel(), dtype) if offloaded  # type: ignore[union-attr]
+                              else torch.zeros_like(lp, dtype=dtype))
         return master
 
     def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
@@ -296,10 +311,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             slot = self._slots[id(param)]
             dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
             reduced = flight.output.narrow(0, offset, size)
-            if self.sink is None:
+            if not self._offloaded(slot.sub_group):
                 dest.add_(reduced.to(dest.dtype))
             else:   # [Note: offloaded gradients at stage 3]
-                self.sink.add(dest, _for_host_add(reduced, dest.dtype))
+                self.sink.add(dest, _for_host_add(reduced, dest.dtype))  # type: ignore[union-attr]
             offset += size
 
     def backward_epilogue(self, is_boundary: bool) -> None:
@@ -327,15 +342,20 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
         scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True, comm_device=device)
         self._global_grad_norm = scaled_norm / self.loss_scale
         divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
+        self._step_on_device(grads[:self.num_on_device], 1.0 / divisor)
         if self.offload is not None:
-            self.offload.step(grads, 1.0 / divisor)
-            self._publish_masters()
-            return
-        for master, grad in zip(self.fp32_flat, grads):
-            master.grad = grad if grad.dtype == master.dtype else grad.float()
-        scale_([m.grad for m in self.fp32_flat], 1.0 / divisor)
-        self.optimizer.step()
+            self.offload.step(grads[self.num_on_device:], 1.0 / divisor)
         self._publish_masters()
+
+    def _step_on_device(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        """The sub-groups whose masters are not offloaded: all of them without offload."""
+        masters = self.fp32_flat[:len(grads)]
+        if not masters:
+            return
+        for master, grad in zip(masters, grads):
+            master.grad = grad if grad.dtype == master.dtype else grad.float()
+        scale_([m.grad for m in masters], multiplier)
+        self._device_optimizer.step()  # type: ignore[union-attr]
 
     @torch.no_grad()
     def _publish_masters(self) -> None:
@@ -354,85 +374,23 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
             for param in group:
                 param.grad = None
 
-    # --- state ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """DeepSpeed's stage-3 keys (§5.4), plain types; `fp32_flat_groups` keep their padding."""
-        return {
-            "zero_stage": ZeroStageEnum.weights,
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "dynamic_loss_scale": self.loss_scaler.dynamic,
-            "overflow": self.overflow,
-            "partition_count": self.world_size,
-            "optimizer_state_dict": self.offload.optimizer_state_dict() if self.offload is not None
-            else self.optimizer.state_dict(),
-            "fp32_flat_groups": [self._fp32_flat_group(k) for k in range(len(self.fp32_flat))],
-            "clip_grad": self.clip_grad,
-            "ds_version": __version__,
-        }
-
-    def _fp32_flat_group(self, index: int) -> torch.Tensor:
-        if self.offload is not None:
-            return self.offload.master_partition(index)
-        return self.fp32_flat[index].detach().float().clone()
-
-    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
-        if int(state_dict.get("partition_count", self.world_size)) != self.world_size:
-            raise ValueError(f"checkpoint was saved with {state_dict['partition_count']} partitions, "
-                             f"this run has {self.world_size}: re-partition it with the checkpoint tools")
-        if load_optimizer_states and self.offload is not None:
-            self.offload.load_optimizer_state_dict(state_dict["optimizer_state_dict"])
-        elif load_optimizer_states:
-            self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        self.overflow = bool(state_dict.get("overflow", False))
-        if self.zero_config.load_from_fp32_weights:
-            with torch.no_grad():
-                for index, (master, saved) in enumerate(zip(self.fp32_flat, state_dict["fp32_flat_groups"])):
-                    if self.offload is not None:
-                        self.offload.load_master_partition(index, saved)
-                    else:
-                        master.copy_(saved)
-            self._publish_masters()
-        else:
-            self.refresh_fp32_params()
-
-    def refresh_fp32_params(self) -> None:
-        """Re-derive the fp32 masters from the (just loaded) low-precision partitions."""
-        if self.offload is not None:
-            self.offload.refresh_from_partitions()
-            return
-        with torch.no_grad():
-            for master, lp in zip(self.fp32_flat, self.lp_flat):
-                if master.data_ptr() != lp.data_ptr():
-                    master.copy_(lp)
-
     def memory_breakdown(self) -> dict[str, int]:
         separate_master = self.precision.low_precision
+        device = self._device_optimizer
         breakdown = {
             "lp_params": tensor_bytes(self.lp_flat),
             "grads": tensor_bytes(self.grad_flat),
-            "master_params": tensor_bytes(self.fp32_flat) if separate_master else 0,
-            "optimizer_states": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+            "master_params": tensor_bytes(self.fp32_flat[:self.num_on_device]) if separate_master else 0,
+            "optimizer_states": tensor_bytes(optimizer_state_tensors(device)) if device is not None else 0,
             "persistent_params": tensor_bytes([p.data for p in self.parameter_offload.params
                                                if p.zs_state.persist]),
         }
         if self.offload is not None:
             offloaded = self.offload.memory_breakdown()
-            breakdown.update(master_params=offloaded["master_params"], optimizer_states=offloaded["optimizer_states"])
+            breakdown["master_params"] += offloaded["master_params"]
+            breakdown["optimizer_states"] += offloaded["optimizer_states"]
         breakdown["total"] = sum(breakdown.values())
         return breakdown
-
-    # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
-    def param_shapes(self) -> list[dict[str, torch.Size]]:
-        """Per sub-group, name -> full shape of each trainable param, in flat-partition order
-        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it)."""
-        return [{p.zs_state.name: p.zs_state.shape for p in group} for group in self.fp16_groups]
-
-    def frozen_params(self) -> list[ZeroParameter]:
-        """Partitioned params outside the optimizer (no gradient), in ds_id order."""
-        trainable = {id(p) for group in self.fp16_groups for p in group}
-        return sorted((p for p in self.parameter_offload.params if id(p) not in trainable),
-                      key=lambda p: p.zs_state.ds_id)
 
     # --- DeepSpeed's names for the same things ------------------------------------------------------
     @property
@@ -442,6 +400,14 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedOptimizer):
     @property
     def fp16_partitioned_groups_flat(self) -> list[torch.Tensor]:
         return self.lp_flat
+
+    @property
+    def subgroup_to_device(self) -> dict[int, str]:
+        """With `offload_optimizer`: where each sub-group's master and optimizer state live."""
+        if self.offload is None:
+            return {}
+        device = get_accelerator().device_name()
+        return {k: "cpu" if self._offloaded(k) else device for k in range(len(self.fp32_flat))}
 
     def partition_all_parameters(self) -> None:
         self.parameter_offload.partition_all_parameters()

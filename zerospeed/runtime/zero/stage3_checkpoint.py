@@ -1,0 +1,129 @@
+"""`Stage3Checkpointing`: what a stage-3 wrapper saves and loads (reference §5.4, §7.2).
+
+A mixin of `DeepSpeedZeroOptimizer_Stage3` (stage3.py), which owns every tensor named here. The
+optimizer-states file holds, per sub-group k in order, the fp32 master `fp32_flat_groups[k]`
+(padding kept) and the base optimizer's state for param k: one param per sub-group, whether the
+master lives on the device, in `OffloadStates` (host or NVMe) or, with `offload_optimizer.ratio <
+1`, some of each ([Note: partial offload] in partial_offload.py). So a checkpoint loads into a run
+with any other offload setting, and zero_to_fp32 reads `fp32_flat_groups` with `param_shapes()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.zero.config import ZeroStageEnum
+from zerospeed.runtime.zero.offload_states import OffloadStates
+from zerospeed.runtime.zero.param_state import ZeroParameter
+from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from zerospeed.runtime.zero.partial_offload import load_device_state, merge_state_dicts, split_state_dict
+from zerospeed.version import __version__
+
+__all__ = ["Stage3Checkpointing"]
+
+
+class Stage3Checkpointing:
+    """state_dict / load_state_dict / refresh_fp32_params and the model-states records of stage 3."""
+
+    optimizer: torch.optim.Optimizer
+    loss_scaler: LossScaler
+    overflow: bool
+    clip_grad: float
+    world_size: int
+    zero_config: Any
+    offload: OffloadStates | None
+    parameter_offload: DeepSpeedZeRoOffload
+    fp16_groups: list[list[ZeroParameter]]
+    lp_flat: list[torch.Tensor]
+    fp32_flat: list[torch.nn.Parameter]
+    num_on_device: int
+    _device_optimizer: torch.optim.Optimizer | None
+    _group_ranges: list[range]
+    _offloaded: Callable[[int], bool]             # the wrapper's methods this mixin calls
+    _publish_masters: Callable[[], None]
+
+    # --- the optimizer-states file -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """DeepSpeed's stage-3 keys (§5.4), plain types; `fp32_flat_groups` keep their padding."""
+        return {
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "dynamic_loss_scale": self.loss_scaler.dynamic,
+            "overflow": self.overflow,
+            "partition_count": self.world_size,
+            "optimizer_state_dict": self._optimizer_state_dict(),
+            "fp32_flat_groups": [self._fp32_flat_group(k) for k in range(len(self.fp32_flat))],
+            "clip_grad": self.clip_grad,
+            "ds_version": __version__,
+        }
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state_dict as without offload: one param per sub-group, in order."""
+        if self.offload is None:
+            return self.optimizer.state_dict()
+        offloaded = self.offload.optimizer_state_dict()
+        if self._device_optimizer is None:
+            return offloaded
+        return merge_state_dicts(self._device_optimizer, self.fp32_flat[:self.num_on_device], offloaded,
+                                 self._group_ranges)
+
+    def _load_optimizer_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.offload is None:
+            self.optimizer.load_state_dict(saved)
+        elif self._device_optimizer is None:
+            self.offload.load_optimizer_state_dict(saved)
+        else:
+            device, offloaded = split_state_dict(saved, self.num_on_device)
+            self.offload.load_optimizer_state_dict(offloaded)
+            load_device_state(self._device_optimizer, self.fp32_flat[:self.num_on_device], device)
+
+    def _fp32_flat_group(self, index: int) -> torch.Tensor:
+        if self._offloaded(index):
+            return self.offload.master_partition(index - self.num_on_device)  # type: ignore[union-attr]
+        return self.fp32_flat[index].detach().float().clone()
+
+    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        if int(state_dict.get("partition_count", self.world_size)) != self.world_size:
+            raise ValueError(f"checkpoint was saved with {state_dict['partition_count']} partitions, "
+                             f"this run has {self.world_size}: re-partition it with the checkpoint tools")
+        if load_optimizer_states:
+            self._load_optimizer_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.overflow = bool(state_dict.get("overflow", False))
+        if self.zero_config.load_from_fp32_weights:
+            with torch.no_grad():
+                for index, (master, saved) in enumerate(zip(self.fp32_flat, state_dict["fp32_flat_groups"])):
+                    if self._offloaded(index):
+                        self.offload.load_master_partition(index - self.num_on_device, saved)  # type: ignore[union-attr]
+                    else:
+                        master.copy_(saved)
+            self._publish_masters()
+        else:
+            self.refresh_fp32_params()
+
+    def refresh_fp32_params(self) -> None:
+        """Re-derive the fp32 masters from the (just loaded) low-precision partitions."""
+        if self.offload is not None:
+            self.offload.refresh_from_partitions()
+        with torch.no_grad():
+            for master, lp in zip(self.fp32_flat[:self.num_on_device], self.lp_flat):
+                if master.data_ptr() != lp.data_ptr():
+                    master.copy_(lp)
+
+
+    # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
+    def param_shapes(self) -> list[dict[str, torch.Size]]:
+        """Per sub-group, name -> full shape of each trainable param, in flat-partition order
+        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it)."""
+        return [{p.zs_state.name: p.zs_state.shape for p in group} for group in self.fp16_groups]
+
+    def frozen_params(self) -> list[ZeroParameter]:
+        """Partitioned params outside the optimizer (no gradient), in ds_id order."""
+        trainable = {id(p) for group in self.fp16_groups for p in group}
+        return sorted((p for p in self.parameter_offload.params if id(p) not in trainable),
+                      key=lambda p: p.zs_state.ds_id)
+
