@@ -101,7 +101,9 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.offload = offload
         # [Note: offloaded gradients at stage 3]
         self.sink = None if offload is None else HostGradientSink(bool(zero_config.offload_optimizer.pin_memory))
-        self._comm_device = None if offload is None else torch.device(get_accelerator().current_device_name())
+        # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
+        # sub-groups live on the host): the step's scalar collectives always run on the device.
+        self._comm_device = torch.device(get_accelerator().current_device_name())
         self.precision = precision
         self.zero_config = zero_config
         self.dp_group = dp_group
@@ -312,7 +314,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
             dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
             reduced = flight.output.narrow(0, offset, size)
             if not self._offloaded(slot.sub_group):
-                dest.add_(reduced.to(dest.dtype))
+                dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
             else:   # [Note: offloaded gradients at stage 3]
                 self.sink.add(dest, _for_host_add(reduced, dest.dtype))  # type: ignore[union-attr]
             offset += size
