@@ -104,3 +104,18 @@ def test_host_memory_check_names_the_numbers():
     nvme = DeepSpeedZeroConfig(stage=3, sub_group_size=1000, offload_optimizer={"device": "nvme", "nvme_path": "/x"})
     assert plan_host_bytes(10**9, 2, nvme).needed_bytes == 4 * 4 * 3 * 1000
     check_host_memory(types.SimpleNamespace(per_rank_bytes={}, needed_bytes=0), available_bytes=0)
+
+
+def test_swap_unit_numel_is_a_whole_stage3_sub_group_up_to_twice_sub_group_size():
+    from zerospeed.runtime.zero.host_memory_check import swap_unit_numel
+
+    groups = [{"params": [torch.zeros(n) for n in (600, 600, 900, 100)]},
+              {"params": [torch.zeros(3000), torch.zeros(10, requires_grad=False)]}]
+    for param in groups[0]["params"] + groups[1]["params"][:1]:
+        param.requires_grad_(True)
+    # 2 ranks: partitions 300, 300, 450, 50 | 1500; sub_group_size 500 cuts [300, 300] [450, 50] | [1500]
+    zero = DeepSpeedZeroConfig(stage=3, sub_group_size=500)
+    assert swap_unit_numel(groups, zero, dp_world_size=2) == 1000              # 1500 capped at 2 x 500
+    zero = DeepSpeedZeroConfig(stage=3, sub_group_size=800)                   # [300, 300, 450] [50] | [1500]
+    assert swap_unit_numel(groups, zero, dp_world_size=2) == 1500
+    assert swap_unit_numel(groups, DeepSpeedZeroConfig(stage=2, sub_group_size=800), dp_world_size=2) == 800

@@ -7,8 +7,9 @@ memory for the offloaded tensors (reference §13 counts the same things):
 - optimizer offload `cpu`: fp32 master (4 B) + optimizer states (4 B each: Adam 2, Adagrad and
   Lion 1) per element of this rank's partition, plus, for a bf16/fp16 model, the low-precision
   host copy of the partition when an accelerator holds the real one;
-- optimizer offload `nvme`: only the staging buffers, `buffer_count` units of `sub_group_size`
-  elements times (1 + states);
+- optimizer offload `nvme`: only the staging buffers, `buffer_count` units times (1 + states),
+  a unit being `sub_group_size` elements at stages 1 and 2 and the largest sub-group (at most
+  twice `sub_group_size`) at stage 3 (`swap_unit_numel`);
 - parameter offload `cpu` (stage 3): the parameter partition in its dtype.
 
 With `offload_optimizer.ratio < 1` (stage 3) the optimizer terms count only the offloaded
@@ -24,7 +25,7 @@ import dataclasses
 import os
 from typing import Any
 
-__all__ = ["HostMemoryPlan", "check_host_memory", "offloaded_numel", "plan_host_bytes"]
+__all__ = ["HostMemoryPlan", "check_host_memory", "offloaded_numel", "plan_host_bytes", "swap_unit_numel"]
 
 _GIB = 2**30
 _STATES_PER_OPTIMIZER = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
@@ -47,10 +48,11 @@ def _device_name(block: Any) -> str:
 
 def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states: int = 2,
                     param_element_bytes: int = 4, local_ranks: int = 1,
-                    offloaded_numel: int | None = None) -> HostMemoryPlan:
+                    offloaded_numel: int | None = None, unit_numel: int | None = None) -> HostMemoryPlan:
     """Host bytes one rank allocates for the offloaded tensors of a model of `numel` elements;
     `offloaded_numel`: the elements of this rank's partition the optimizer offload holds (all of
-    them when None)."""
+    them when None); `unit_numel`: the largest swap unit (`swap_unit_numel`; `sub_group_size`
+    when None)."""
     partition = -(-numel // max(1, dp_world_size))
     offloaded = partition if offloaded_numel is None else offloaded_numel
     optimizer_block, param_block = zero_config.offload_optimizer, zero_config.offload_param
@@ -62,7 +64,7 @@ def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states
         if param_element_bytes < 4:
             parts["low-precision copy-out staging"] = param_element_bytes * offloaded
     elif optimizer_device == "nvme":
-        unit = min(offloaded, max(1, int(zero_config.sub_group_size)))
+        unit = min(offloaded, max(1, int(zero_config.sub_group_size) if unit_numel is None else unit_numel))
         count = optimizer_block.buffer_count
         parts[f"nvme staging buffers ({count} x {unit} elements)"] = count * 4 * (1 + num_states) * unit
     if _device_name(param_block) == "cpu" and int(zero_config.stage) == 3:
@@ -73,15 +75,36 @@ def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states
 def offloaded_numel(param_groups: list[dict[str, Any]], zero_config: Any, dp_world_size: int) -> int | None:
     """Stage 3 with `offload_optimizer.ratio < 1`: this rank's elements in offloaded sub-groups, cut
     as stage 3 will cut the optimizer's `param_groups`; None (everything) otherwise."""
-    from zerospeed.runtime.zero.param_state import partition_numel
     from zerospeed.runtime.zero.sub_groups import offloaded_partition_numel
 
     block = zero_config.offload_optimizer
     if block is None or float(block.ratio) >= 1 or int(zero_config.stage) != 3:
         return None
-    numels = [[partition_numel(int(getattr(p, "ds_numel", p.numel())), dp_world_size)
-               for p in group["params"] if p.requires_grad] for group in param_groups]
+    numels = _partition_numels(param_groups, dp_world_size)
     return offloaded_partition_numel(numels, int(zero_config.sub_group_size), float(block.ratio))
+
+
+def swap_unit_numel(param_groups: list[dict[str, Any]], zero_config: Any, dp_world_size: int) -> int:
+    """The most elements `OffloadStates` puts in one swap unit. Stages 1 and 2: `sub_group_size`
+    (a param group's partition is cut into units of that size). Stage 3: the largest sub-group
+    (sub_groups.py), so each sub-group is swapped whole as in DeepSpeed and no small remainder
+    unit takes a whole staging buffer; but at most `2 * sub_group_size`, so a parameter partition
+    far larger than `sub_group_size` is still cut and the staging memory stays bounded by it."""
+    from zerospeed.runtime.zero.sub_groups import largest_sub_group_numel
+
+    sub_group_size = max(1, int(zero_config.sub_group_size))
+    if int(zero_config.stage) != 3:
+        return sub_group_size
+    largest = largest_sub_group_numel(_partition_numels(param_groups, dp_world_size), sub_group_size)
+    return max(1, min(largest, 2 * sub_group_size))
+
+
+def _partition_numels(param_groups: list[dict[str, Any]], dp_world_size: int) -> list[list[int]]:
+    """Per param group, this rank's partition numel of each trainable parameter, in order."""
+    from zerospeed.runtime.zero.param_state import partition_numel
+
+    return [[partition_numel(int(getattr(p, "ds_numel", p.numel())), dp_world_size)
+             for p in group["params"] if p.requires_grad] for group in param_groups]
 
 
 def available_host_bytes() -> int:

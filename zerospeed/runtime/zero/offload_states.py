@@ -6,9 +6,12 @@ param group or stage-3 sub-group) and, at the step, hands over the partitioned g
 the unscale/clip multiplier (`step`). Everything between is here:
 
 - [Note: swap units] each partition is cut into units of at most `unit_numel` elements
-  (`zero_optimization.sub_group_size`); a unit's fp32 master is one param of the base optimizer,
-  so Adam's state exists per unit. Adam is elementwise, so stepping units one at a time gives the
-  same bits as stepping the whole partition. Units bound what NVMe offload keeps in RAM.
+  (`swap_unit_numel` in host_memory_check.py: `zero_optimization.sub_group_size` at stages 1
+  and 2; at stage 3 the largest sub-group, at most twice `sub_group_size`, so a sub-group is one
+  unit, not a full unit plus a small remainder taking a whole staging buffer); a unit's fp32
+  master is one param of the base optimizer, so Adam's state exists per unit. Adam is
+  elementwise, so stepping units one at a time gives the same bits as stepping the whole
+  partition. Units bound what NVMe offload keeps in RAM.
 - the step, per unit: gradient slice to host fp32 (a view when it is already there), multiply,
   base optimizer on that unit alone, then the updated master back into the partition: the fused
   copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
@@ -379,6 +382,7 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
         local_ranks_from_env,
         offloaded_numel,
         plan_host_bytes,
+        swap_unit_numel,
     )
 
     zero_config = config.zero_config
@@ -388,9 +392,10 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     element_bytes = torch.empty(0, dtype=param_dtype).element_size()
     world_size = comm.get_world_size(dp_group)
     offloaded = offloaded_numel(optimizer.param_groups, zero_config, world_size)
+    unit_numel = swap_unit_numel(optimizer.param_groups, zero_config, world_size)
     check_host_memory(plan_host_bytes(numel, world_size, zero_config, num_states, element_bytes,
-                                      local_ranks_from_env(), offloaded))
+                                      local_ranks_from_env(), offloaded, unit_numel))
     if block is None or not block.enabled:
         return None
     swap_name = f"rank{comm.get_rank():02d}_pid{os.getpid()}"
-    return OffloadStates(optimizer, block, config.aio_config, int(zero_config.sub_group_size), swap_name)
+    return OffloadStates(optimizer, block, config.aio_config, unit_numel, swap_name)

@@ -8,7 +8,7 @@ wrapper (stage3.py) and the host-memory check (host_memory_check.py) agree witho
 
 from __future__ import annotations
 
-__all__ = ["num_sub_groups_on_device", "offloaded_partition_numel", "plan_sub_groups"]
+__all__ = ["largest_sub_group_numel", "num_sub_groups_on_device", "offloaded_partition_numel", "plan_sub_groups"]
 
 
 def plan_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[list[int]]:
@@ -44,3 +44,12 @@ def offloaded_partition_numel(partition_numels_per_group: list[list[int]], sub_g
     sizes = [sum(numels[i] for i in cut) for numels in partition_numels_per_group
              for cut in plan_sub_groups(numels, sub_group_size)]
     return sum(sizes[num_sub_groups_on_device(len(sizes), ratio):])
+
+
+def largest_sub_group_numel(partition_numels_per_group: list[list[int]], sub_group_size: int) -> int:
+    """Elements of this rank's largest sub-group, cut as stage 3 cuts them (0 without any): what
+    one NVMe staging buffer must hold, since a stage-3 sub-group is swapped whole (as DeepSpeed
+    sizes its swap buffers); it exceeds `sub_group_size` by less than the last parameter's partition."""
+    sizes = [sum(numels[i] for i in cut) for numels in partition_numels_per_group
+             for cut in plan_sub_groups(numels, sub_group_size)]
+    return max(sizes, default=0)
