@@ -276,26 +276,40 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def _flush_bucket(self) -> None:
         if not self._bucket:
             return
-        comm_dtype = self.precision.communication_dtype
-        width = sum(p.partition_numel() for p, _ in self._bucket)
-        rows = torch.zeros(self.world_size, width, dtype=comm_dtype, device=self._bucket[0][1].device)
-        offset = 0
-        for param, grad in self._bucket:
-            flat = grad.reshape(-1)
-            for rank in range(self.world_size):
-                start, real = rank_span(flat.numel(), self.world_size, rank)
-                if real:
-                    rows[rank, offset:offset + real].copy_(flat[start:start + real])
-            offset += param.partition_numel()
+        bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
+        params = [param for param, _ in bucket]
+        rows = self._bucket_rows(bucket)
+        comm_dtype, width = rows.dtype, rows.shape[1]
         before, _ = self._averaging()
         if before != 1.0:
             rows.mul_(before)
         output = torch.empty(width, dtype=comm_dtype, device=rows.device)
         work = comm.reduce_scatter_tensor(output, rows.view(-1), group=self.dp_group, async_op=self.overlap_comm)
-        self._in_flight.append(_InFlight(work, rows, output, [p for p, _ in self._bucket]))
-        self._bucket, self._bucket_numel = [], 0
+        self._in_flight.append(_InFlight(work, rows, output, params))
         while len(self._in_flight) > (_MAX_IN_FLIGHT - 1 if self.overlap_comm else 0):
             self._finish(self._in_flight.pop(0))
+
+    def _bucket_rows(self, bucket: list[tuple[ZeroParameter, torch.Tensor | None]]) -> torch.Tensor:
+        """The reduce-scatter input: row r holds each parameter's r-th chunk, zero-padded.
+
+        [Note: bucket memory] Each full gradient is dropped as soon as it is copied (the bucket
+        holds its last reference) and only the padding is zero-filled, so the rows' pages are
+        touched as the gradients are freed: the peak is about one bucket, not the gradients plus
+        a zeroed copy of them (two)."""
+        width = sum(param.partition_numel() for param, _ in bucket)
+        rows = torch.empty(self.world_size, width, dtype=self.precision.communication_dtype,
+                           device=bucket[0][1].device)  # type: ignore[union-attr]
+        offset = 0
+        for index, (param, grad) in enumerate(bucket):
+            bucket[index] = (param, None)
+            flat, size = grad.reshape(-1), param.partition_numel()  # type: ignore[union-attr]
+            for rank in range(self.world_size):
+                start, real = rank_span(flat.numel(), self.world_size, rank)
+                rows[rank, offset:offset + real].copy_(flat[start:start + real])
+                rows[rank, offset + real:offset + size].zero_()
+            del grad, flat
+            offset += size
+        return rows
 
     def _averaging(self) -> tuple[float, float]:
         """(before, after) multipliers around the sum (DeepSpeed's averaging rules, §3.9)."""
