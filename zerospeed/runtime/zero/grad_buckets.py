@@ -91,33 +91,35 @@ class GradReducer:
         self._submit(_InFlight(handle, (rows, output), finish))
 
     def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice], accumulate: bool = True) -> None:
-        """Sum `flat` over ranks; add (or copy) each slice this rank owns into its `dest`."""
+        """Sum `flat` over ranks; add (or copy) each slice this rank owns into its `dest`. With
+        reduce-scatter, `flat` is freed once its owner-ordered copy is made, if the caller passed
+        its only reference."""
         self._scale(flat, self.before)
         mine = [s for s in slices if s.dp_rank == self.dp_rank]
         if not self.use_reduce_scatter:
             handle = comm.all_reduce(flat, group=self.group, async_op=self.overlap_comm)
-            received, starts = flat, [s.bucket_offset for s in mine]
-            reduce_copies, mine_numel = False, 0
+            summed, starts, keepalive = (lambda: flat), [s.bucket_offset for s in mine], (flat,)
         else:
             by_owner = sorted(slices, key=lambda s: s.dp_rank)          # stable: bucket order per owner
             send = torch.cat([flat.narrow(0, s.bucket_offset, s.numel) for s in by_owner])
+            del flat
             send_splits = [0] * self.world_size
             for owned in slices:
                 send_splits[owned.dp_rank] += owned.numel
             mine_numel = send_splits[self.dp_rank]
-            received = torch.empty(self.world_size * mine_numel, dtype=flat.dtype, device=flat.device)
+            received = torch.empty(self.world_size * mine_numel, dtype=send.dtype, device=send.device)
             handle = comm.all_to_all_single(received, send, [mine_numel] * self.world_size, send_splits,
                                             group=self.group, async_op=self.overlap_comm)
-            starts = list(itertools.accumulate((s.numel for s in mine), initial=0))[:-1]
-            flat, reduce_copies = send, True
+            summed = lambda: received.view(self.world_size, mine_numel).sum(dim=0)  # noqa: E731
+            starts, keepalive = list(itertools.accumulate((s.numel for s in mine), initial=0))[:-1], (send, received)
 
         def finish() -> None:
-            summed = received.view(self.world_size, mine_numel).sum(dim=0) if reduce_copies else received
+            total = summed()
             for owned, start in zip(mine, starts):
                 assert owned.dest is not None
-                reduced = self._scale(summed.narrow(0, start, owned.numel), self.after)
+                reduced = self._scale(total.narrow(0, start, owned.numel), self.after)
                 self._store(owned.dest, reduced, accumulate)
-        self._submit(_InFlight(handle, (flat, received), finish))
+        self._submit(_InFlight(handle, keepalive, finish))
 
     def wait_all(self) -> None:
         while self._in_flight:
@@ -225,11 +227,22 @@ class GradientBuckets:
         self._arrived.clear()
 
     def _reduce_bucket(self) -> None:
-        if self.contiguous_gradients:
-            assert self._buffer is not None
-            flat = self._buffer.narrow(0, 0, self._filled)
-        else:
+        slices = self._owned_slices()
+        # The reducer gets the only reference to the bucket, so it can free it once it has made
+        # the owner-ordered copy it sends: two buckets' worth at the peak, not three.
+        self.reducer.reduce_to_owners(self._take_flat(), slices, self.accumulate)
+        self._open_bucket()
+
+    def _take_flat(self) -> torch.Tensor:
+        if not self.contiguous_gradients:
             flat = torch.cat(self._held).to(self.comm_dtype)
+            self._held = []
+            return flat
+        assert self._buffer is not None
+        buffer, self._buffer = self._buffer, None
+        return buffer.narrow(0, 0, self._filled)
+
+    def _owned_slices(self) -> list[OwnedSlice]:
         slices = []
         for group_index, param_index, offset in self._entries:
             for dp_rank, frag in self.owners[group_index][param_index]:
@@ -237,5 +250,4 @@ class GradientBuckets:
                 if dp_rank == self.reducer.dp_rank:
                     dest = self.partitions[group_index].narrow(0, frag.partition_start, frag.numel)
                 slices.append(OwnedSlice(dp_rank, offset + frag.param_start, frag.numel, dest))
-        self.reducer.reduce_to_owners(flat, slices, self.accumulate)
-        self._open_bucket()
+        return slices
