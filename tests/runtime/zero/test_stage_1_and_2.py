@@ -397,6 +397,39 @@ def test_engine_matches_single_process_torch(stage, gas, kind, clip):
             assert_close_relative(params[name], expected, 1e-6, name)
 
 
+def _engine_train_recording_bucket_layout(bucket_numel):
+    """`_engine_train` at stage 2, recording whether each bucket was sent as it is ([Note: buckets
+    fill from the end] in grad_buckets.py) or copied into owner order first."""
+    from zerospeed.runtime.zero import grad_buckets
+
+    outcomes, original = [], grad_buckets._is_laid_out
+
+    def recording(slices, numel):
+        outcomes.append(original(slices, numel))
+        return outcomes[-1]
+
+    grad_buckets._is_laid_out = recording
+    try:
+        result = _engine_train(2, 1, "AdamW", 0.0, {"reduce_bucket_size": bucket_numel})
+    finally:
+        grad_buckets._is_laid_out = original
+    return result, outcomes
+
+
+@pytest.mark.parametrize("bucket_numel", [500_000_000, 40])
+def test_stage2_buckets_in_flat_order_are_sent_without_a_copy(bucket_numel):
+    """One param group, gradients produced in reverse order: every bucket is already in owner order."""
+    results = run_on_ranks(_engine_train_recording_bucket_layout, 2, bucket_numel)
+    ref_losses, ref_params = reference_run(make_model(), global_batches(NUM_STEPS, 16), "AdamW", ENGINE_LR,
+                                           ENGINE_WD, 0.0)
+    losses = torch.tensor([losses for (losses, _), _ in results]).mean(dim=0)   # the global batch's
+    assert_close_relative(losses, torch.tensor(ref_losses), 1e-6, "losses")
+    for (_, params), outcomes in results:
+        assert outcomes and all(outcomes), outcomes
+        for name, expected in ref_params.items():
+            assert_close_relative(params[name], expected, 1e-6, name)
+
+
 def test_engine_bf16_within_1e2_of_fp32():
     results = run_on_ranks(_engine_train, 2, 2, 1, "AdamW", 0.0, None)
     bf16 = run_on_ranks(_bf16_engine_train, 2)
