@@ -4,7 +4,7 @@ the clip factor against its formula."""
 import pytest
 import torch
 
-from zerospeed.runtime.grad_utils import global_norm, sum_of_squares, unscale_and_clip_factor
+from zerospeed.runtime.grad_utils import any_non_finite, global_norm, sum_of_squares, unscale_and_clip_factor
 
 
 @pytest.mark.parametrize("numel", [0, 5, 1024, 5000, 1_000_003])
@@ -38,3 +38,15 @@ def test_clip_factor_formula():
     assert unscale_and_clip_factor(scaled_norm=8.0, loss_scale=4.0, clip_grad=1.0) == pytest.approx(4.0 * (2.0 + 1e-6))
     assert unscale_and_clip_factor(scaled_norm=2.0, loss_scale=4.0, clip_grad=1.0) == 4.0
     assert unscale_and_clip_factor(scaled_norm=8.0, loss_scale=4.0, clip_grad=0.0) == 4.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_overflow_check_is_exact(dtype):
+    tensors = [torch.randn(5000).to(dtype), torch.randn(3, 7).to(dtype)]
+    assert not any_non_finite(tensors) and not any_non_finite([])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        tensors[0][1234] = bad
+        assert any_non_finite(tensors), bad
+    # finite values whose float32 sum overflows: the quick sum flags them, the exact check clears them
+    big = torch.full((4,), 3e38)
+    assert torch.isinf(big.sum()) and not any_non_finite([big, torch.zeros(3)])
