@@ -305,8 +305,10 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
             flat, size = grad.reshape(-1), param.partition_numel()  # type: ignore[union-attr]
             for rank in range(self.world_size):
                 start, real = rank_span(flat.numel(), self.world_size, rank)
-                rows[rank, offset:offset + real].copy_(flat[start:start + real])
-                rows[rank, offset + real:offset + size].zero_()
+                if real:
+                    rows[rank, offset:offset + real].copy_(flat[start:start + real])
+                if real < size:
+                    rows[rank, offset + real:offset + size].zero_()
             del grad, flat
             offset += size
         return rows
