@@ -7,7 +7,7 @@ import torch
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, sum_of_squares, unscale_and_clip_factor
 
 
-@pytest.mark.parametrize("numel", [0, 5, 1024, 5000, 1_000_003])
+@pytest.mark.parametrize("numel", [0, 5, 1024, 5000, 70_000, 1_000_003])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sum_of_squares_matches_float64(numel, dtype):
     torch.manual_seed(numel)
@@ -24,8 +24,9 @@ def test_sum_of_squares_of_a_non_contiguous_tensor():
         tensor.double().square().sum())
 
 
-def test_non_finite_values_reach_the_norm():
-    tensor = torch.randn(5000)
+@pytest.mark.parametrize("numel", [5000, 70_000])
+def test_non_finite_values_reach_the_norm(numel):
+    tensor = torch.randn(numel)
     tensor[4000] = float("inf")
     assert float(sum_of_squares([tensor])) == float("inf")
     tensor[4000] = float("nan")
