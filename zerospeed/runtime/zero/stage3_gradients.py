@@ -1,0 +1,191 @@
+"""`Stage3Gradients`: how a stage-3 wrapper turns full gradients into this rank's partitions.
+
+A mixin of `DeepSpeedZeroOptimizer_Stage3` (stage3.py), which owns the tensors named here
+(`grad_flat`, the sub-group `_slots`, the `sink` with optimizer offload).
+
+[Note: gradient path]
+A post-accumulate-grad hook on each trainable parameter hands its full gradient to the bucket and
+drops `param.grad`. A bucket of `reduce_bucket_size` elements is one `reduce_scatter_tensor`: its
+input is `W` rows, row r the concatenation of each parameter's r-th chunk (zero-padded), so rank r
+receives exactly its partitions. With `overlap_comm` the reduce-scatter is asynchronous, at most
+two in flight, each only ever `wait()`ed (gloo). Results are added into `grad_flat` once waited.
+Gradients of z3-leaf modules wait for the end of backward ([Note: leaf-module gradients]); the
+bucket's own memory: [Note: bucket memory].
+
+[Note: offloaded gradients at stage 3]
+The `grad_flat[k]` of an offloaded sub-group is a host buffer (pinned when applicable) and each
+reduce-scattered bucket reaches it through a `HostGradientSink` (host_grads.py) as the bucket
+completes, overlapped with the rest of backward, as at stages 1 and 2 ([Note: offloaded
+gradients] in stage_1_and_2.py); the sink holds the bucket's output until its copy has landed.
+A slice whose widening to `grad_accum_dtype` is exact (bf16 into fp32) crosses as it is, half the
+bytes, and the host add widens it; a narrowing is done on the device first, as without offload,
+so both runs round the same way. `_finish_reductions` synchronizes the sink, so the overflow
+check, the norm (their per-rank scalar reduced on the accelerator) and `OffloadStates.step`
+(which takes views, no copy at the step) read final host gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.precision import averaging_factors
+from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
+
+__all__ = ["Stage3Gradients"]
+
+_MAX_IN_FLIGHT = 2
+
+
+def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the sink adds into a host `dtype` buffer: `reduced` itself when widening it to `dtype`
+    is exact (the host add then gives the bits of the device path's convert-then-add), else
+    `reduced` converted on the device, which rounds exactly as the path without offload does."""
+    return reduced if torch.promote_types(reduced.dtype, dtype) == dtype else reduced.to(dtype)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    work: Any
+    rows: torch.Tensor
+    output: torch.Tensor
+    params: list[ZeroParameter]
+
+
+class Stage3Gradients:
+    """Hooks, buckets, reduce-scatter and the host sink; `_finish_reductions` ends a backward."""
+
+    # set by DeepSpeedZeroOptimizer_Stage3
+    grad_flat: list[torch.Tensor]
+    fp16_groups: list[list[ZeroParameter]]
+    precision: Any
+    world_size: int
+    dp_group: Any
+    reduce_bucket_size: int
+    overlap_comm: bool
+    sink: Any
+    parameter_offload: Any
+    _slots: dict[int, Any]
+
+    def _init_gradient_hooks(self) -> None:
+        self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
+        self._bucket_numel = 0
+        self._in_flight: list[_InFlight] = []
+        self._deferred: dict[int, torch.Tensor] = {}
+        leaf_ids = self.parameter_offload.leaf_param_ids
+        self._leaf_params = sorted((p for g in self.fp16_groups for p in g if p.zs_state.ds_id in leaf_ids),
+                                   key=lambda p: p.zs_state.ds_id)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for group in self.fp16_groups for p in group]
+
+    # --- gradients ----------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        state = param.zs_state  # type: ignore[attr-defined]
+        if grad is None:
+            return
+        if grad.numel() != state.numel:
+            raise RuntimeError(f"ZeRO-3: gradient of parameter {state.describe()} has shape {tuple(grad.shape)}: "
+                               "the parameter was used while partitioned (outside the forward of a module "
+                               "that owns it). Register it with zero.register_external_parameter(module, "
+                               "param) or use it inside zero.GatheredParameters.")
+        if state.ds_id in self.parameter_offload.leaf_param_ids:
+            self._deferred[state.ds_id] = grad  # see [Note: leaf-module gradients]
+            return
+        self._add_to_bucket(param, grad)  # type: ignore[arg-type]
+
+    def _add_to_bucket(self, param: ZeroParameter, grad: torch.Tensor) -> None:
+        self._bucket.append((param, grad))
+        self._bucket_numel += param.zs_state.padded_numel
+        if self._bucket_numel >= self.reduce_bucket_size:
+            self._flush_bucket()
+
+    def _reduce_deferred(self) -> None:
+        """[Note: leaf-module gradients] Inside a z3-leaf module (an MoE layer) which parameters
+        get a gradient depends on each rank's data, so their hooks fire in different orders and
+        numbers on different ranks. Their gradients wait here and are reduced at the end of
+        backward in ds_id order, zeros standing in for a missing one: the same collectives on
+        every rank."""
+        for param in self._leaf_params:
+            grad = self._deferred.pop(param.zs_state.ds_id, None)
+            if grad is None:
+                grad = torch.zeros(param.zs_state.shape, dtype=param.dtype, device=param.ds_tensor.device)
+            self._add_to_bucket(param, grad)
+
+    def _flush_bucket(self) -> None:
+        if not self._bucket:
+            return
+        bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
+        params = [param for param, _ in bucket]
+        rows = self._bucket_rows(bucket)
+        comm_dtype, width = rows.dtype, rows.shape[1]
+        before, _ = self._averaging()
+        if before != 1.0:
+            rows.mul_(before)
+        output = torch.empty(width, dtype=comm_dtype, device=rows.device)
+        work = comm.reduce_scatter_tensor(output, rows.view(-1), group=self.dp_group, async_op=self.overlap_comm)
+        self._in_flight.append(_InFlight(work, rows, output, params))
+        while len(self._in_flight) > (_MAX_IN_FLIGHT - 1 if self.overlap_comm else 0):
+            self._finish(self._in_flight.pop(0))
+
+    def _bucket_rows(self, bucket: list[tuple[ZeroParameter, torch.Tensor | None]]) -> torch.Tensor:
+        """The reduce-scatter input: row r holds each parameter's r-th chunk, zero-padded.
+
+        [Note: bucket memory] Each full gradient is dropped as soon as it is copied (the bucket
+        holds its last reference) and only the padding is zero-filled, so the rows' pages are
+        touched as the gradients are freed: the peak is about one bucket, not the gradients plus
+        a zeroed copy of them (two)."""
+        width = sum(param.partition_numel() for param, _ in bucket)
+        rows = torch.empty(self.world_size, width, dtype=self.precision.communication_dtype,
+                           device=bucket[0][1].device)  # type: ignore[union-attr]
+        offset = 0
+        for index, (param, grad) in enumerate(bucket):
+            bucket[index] = (param, None)
+            flat, size = grad.reshape(-1), param.partition_numel()  # type: ignore[union-attr]
+            for rank in range(self.world_size):
+                start, real = rank_span(flat.numel(), self.world_size, rank)
+                if real:
+                    rows[rank, offset:offset + real].copy_(flat[start:start + real])
+                if real < size:
+                    rows[rank, offset + real:offset + size].zero_()
+            del grad, flat
+            offset += size
+        return rows
+
+    def _averaging(self) -> tuple[float, float]:
+        """(before, after) multipliers around the sum (DeepSpeed's averaging rules, §3.9)."""
+        return averaging_factors(self.precision, self.world_size)
+
+    def _finish(self, flight: _InFlight) -> None:
+        if flight.work is not None:
+            flight.work.wait()
+        _, after = self._averaging()
+        if after != 1.0:
+            flight.output.mul_(after)
+        offset = 0
+        for param in flight.params:
+            size = param.partition_numel()
+            slot = self._slots[id(param)]
+            dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
+            reduced = flight.output.narrow(0, offset, size)
+            if not self._offloaded(slot.sub_group):
+                dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
+            else:   # [Note: offloaded gradients at stage 3]
+                self.sink.add(dest, _for_host_add(reduced, dest.dtype))  # type: ignore[union-attr]
+            offset += size
+
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        self._reduce_deferred()
+        self._finish_reductions()
+
+    def _finish_reductions(self) -> None:
+        self._flush_bucket()
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+        if self.sink is not None:
+            self.sink.synchronize()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
+        self.parameter_offload.partition_all_parameters()
