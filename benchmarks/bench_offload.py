@@ -28,13 +28,12 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
 from collections import defaultdict
 
-from harness import MODELS, RunResult, RunSpec, run
+from harness import MODELS, RunResult, RunSpec, median_results, run
 
 DEFAULT_CASES = ["z2-cpu", "z3-cpu", "z2-nvme", "z3-nvme"]
 
@@ -73,17 +72,10 @@ def training_table(args: argparse.Namespace) -> None:
           "final loss zs / DS |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case in args.cases:
-        ours, theirs = (_median(collected[f"{s}-z{case[1]}-{case.split('-')[1]}"]) for s in systems)
+        ours, theirs = (median_results(collected[f"{s}-z{case[1]}-{case.split('-')[1]}"]) for s in systems)
         print(f"| {case} | {ours.step_s:.3f} | {theirs.step_s:.3f} | **{ours.step_s / theirs.step_s:.2f}** | "
               f"{ours.peak_rss_mib:.0f} | {theirs.peak_rss_mib:.0f} | **{ours.peak_rss_mib / theirs.peak_rss_mib:.2f}** | "
               f"{_phases(ours)} | {_phases(theirs)} | {ours.final_loss:.4f} / {theirs.final_loss:.4f} |")
-
-
-def _median(results: list[RunResult]) -> RunResult:
-    scalars = (statistics.median(getattr(r, f) for r in results)
-               for f in ("step_s", "cpu_s", "peak_rss_mib", "comm_mib_per_step", "final_loss"))
-    phases = tuple(statistics.median(r.phases_s[i] for r in results) for i in range(3))
-    return RunResult(results[0].label, *scalars, phases)
 
 
 def _phases(result: RunResult) -> str:

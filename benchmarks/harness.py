@@ -65,6 +65,14 @@ class RunResult:
     phases_s: tuple[float, float, float] = (0.0, 0.0, 0.0)  # median forward, backward, step (slowest rank)
 
 
+def median_results(results: list[RunResult]) -> RunResult:
+    """One run's figures, each the median over `results` (repeated runs of one spec)."""
+    scalars = (statistics.median(getattr(r, f) for r in results)
+               for f in ("step_s", "cpu_s", "peak_rss_mib", "comm_mib_per_step", "final_loss"))
+    phases = tuple(statistics.median(r.phases_s[i] for r in results) for i in range(3))
+    return RunResult(results[0].label, *scalars, phases)  # type: ignore[arg-type]
+
+
 # --- byte counting for peers ---------------------------------------------------------------------
 
 class _CollectiveCounter:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import importlib.util
-import statistics
 from collections import defaultdict
 
-from harness import MODELS, RunResult, RunSpec, run
+from harness import MODELS, RunResult, RunSpec, median_results, run
 
 DEFAULT_SYSTEMS = ["ddp", "fsdp2", "zerospeed-z0", "zerospeed-z1", "zerospeed-z2", "zerospeed-z3",
                    "deepspeed-z0", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3"]
@@ -40,12 +39,6 @@ def available(spec: RunSpec) -> bool:
     if spec.system == "zerospeed" and spec.stage == 3:
         return importlib.util.find_spec("zerospeed.runtime.zero.stage3") is not None
     return True
-
-
-def median_results(results: list[RunResult]) -> RunResult:
-    return RunResult(results[0].label, *(statistics.median(getattr(r, f) for r in results)
-                                         for f in ("step_s", "cpu_s", "peak_rss_mib", "comm_mib_per_step",
-                                                   "final_loss")))
 
 
 def _same_stage_deepspeed(row: RunResult, by_label: dict[str, RunResult]) -> RunResult | None:

@@ -1,8 +1,9 @@
 """Gradient arithmetic every optimizer wrapper shares: overflow check, global norm, unscale + clip.
 
-The norm is accumulated in float64 as DeepSpeed does (over float32 runs of 1024 elements, [Note:
-chunked float64 norm]), so fp32 runs reproduce torch's `clip_grad_norm_` within rounding. For partitioned gradients pass the data-parallel `group`: the
-squares are summed over ranks before the square root. Replicated gradients pass `group=None`.
+The norm is accumulated in float64 as DeepSpeed does (over float32 runs of 1024 elements,
+[Note: chunked float64 norm]), so fp32 runs reproduce torch's `clip_grad_norm_` within rounding.
+For partitioned gradients pass the data-parallel `group`: the squares are summed over ranks
+before the square root. Replicated gradients pass `group=None`.
 Gradients in host memory (optimizer offload) pass `comm_device`, the device the communication
 backend works on: only the per-rank scalar moves there (NCCL cannot reduce a host tensor). The
 tensors may sit on different devices (stage 3 with `offload_optimizer.ratio < 1`): each one's

@@ -37,7 +37,7 @@ def test_staging_buffers_are_bounded():
     first, second = pool.try_acquire(), pool.try_acquire()
     assert pool.try_acquire() is None and pool.nbytes == 2 * 16 * 4
     pool.release(first)
-    assert pool.acquire() == first
+    assert pool.try_acquire() == first and pool.try_acquire() is None
     with pytest.raises(ValueError, match="buffer_count"):
         StagingBuffers(0, 16, pin_memory=False)
     del second

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -57,7 +56,9 @@ def aligned_numel(numel: int) -> int:
 
 class StagingBuffers:
     """`count` flat fp32 buffers of `numel` elements (pinned when asked and CUDA is present), each
-    starting at an `ALIGNMENT`-aligned address so unit transfers go through O_DIRECT."""
+    starting at an `ALIGNMENT`-aligned address so unit transfers go through O_DIRECT. Only the
+    swapper's (calling) thread takes and returns them: I/O threads never do, since a write-back
+    and the read into the same buffer are one chained task."""
 
     def __init__(self, count: int, numel: int, pin_memory: bool) -> None:
         if count < 1:
@@ -65,25 +66,16 @@ class StagingBuffers:
         pin = pin_memory and torch.cuda.is_available()
         self.buffers = [aligned_empty(numel, _DTYPE, pin_memory=pin) for _ in range(count)]
         self._free = list(range(count))
-        self._cond = threading.Condition()
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def try_acquire(self) -> int | None:
-        with self._cond:
-            return self._free.pop(0) if self._free else None
-
-    def acquire(self) -> int:
-        with self._cond:
-            self._cond.wait_for(lambda: bool(self._free))
-            return self._free.pop(0)
+        return self._free.pop(0) if self._free else None
 
     def release(self, index: int) -> None:
-        with self._cond:
-            self._free.append(index)
-            self._cond.notify()
+        self._free.append(index)
 
 
 def _remove_dir(path: str) -> None:

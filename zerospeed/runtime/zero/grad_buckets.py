@@ -248,8 +248,9 @@ class GradientBuckets:
 
     def _reduce_bucket(self) -> None:
         slices = self._owned_slices()
-        # The reducer gets the only reference to the bucket, so it can free it once it has made
-        # the owner-ordered copy it sends: two buckets' worth at the peak, not three.
+        # The reducer gets the only reference to the bucket, so when the bucket is not in owner
+        # order it can free it once the owner-ordered copy exists (two buckets at the peak, not
+        # three); usually it is in order and is sent as it is ([Note: buckets fill from the end]).
         self.reducer.reduce_to_owners(self._take_flat(), slices, self.accumulate)
         self._open_bucket()
 

@@ -105,7 +105,7 @@ class OffloadStates:
         self.aio_config = aio_config
         self.nvme = str(offload_config.device.value if hasattr(offload_config.device, "value")
                         else offload_config.device) == "nvme"
-        self.fast_init = self.nvme and bool(getattr(offload_config, "fast_init", False))
+        self.fast_init = self.nvme and bool(offload_config.fast_init)
         self.unit_numel = max(1, int(unit_numel))
         self.accelerator = get_accelerator()
         self._pin = bool(offload_config.pin_memory) and torch.cuda.is_available()

@@ -114,7 +114,6 @@ class Stage3Checkpointing:
                 if master.data_ptr() != lp.data_ptr():
                     master.copy_(lp)
 
-
     # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
     def param_shapes(self) -> list[dict[str, torch.Size]]:
         """Per sub-group, name -> full shape of each trainable param, in flat-partition order

@@ -8,7 +8,8 @@ wrapper (stage3.py) and the host-memory check (host_memory_check.py) agree witho
 
 from __future__ import annotations
 
-__all__ = ["largest_sub_group_numel", "num_sub_groups_on_device", "offloaded_partition_numel", "plan_sub_groups"]
+__all__ = ["largest_sub_group_numel", "num_sub_groups_on_device", "offloaded_partition_numel", "plan_sub_groups",
+           "sub_group_numels"]
 
 
 def plan_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[list[int]]:
@@ -37,19 +38,22 @@ def num_sub_groups_on_device(num_sub_groups: int, ratio: float) -> int:
     return int((1 - ratio) * num_sub_groups)
 
 
+def sub_group_numels(partition_numels_per_group: list[list[int]], sub_group_size: int) -> list[int]:
+    """Elements of each of this rank's sub-groups, in sub-group order: per param group, the
+    partition numels of its trainable params in order, cut as stage 3 cuts them."""
+    return [sum(numels[i] for i in cut) for numels in partition_numels_per_group
+            for cut in plan_sub_groups(numels, sub_group_size)]
+
+
 def offloaded_partition_numel(partition_numels_per_group: list[list[int]], sub_group_size: int,
                               ratio: float) -> int:
-    """Elements of this rank's partition in offloaded sub-groups: per param group, the partition
-    numels of its trainable params in order, cut as stage 3 cuts them."""
-    sizes = [sum(numels[i] for i in cut) for numels in partition_numels_per_group
-             for cut in plan_sub_groups(numels, sub_group_size)]
+    """Elements of this rank's partition in offloaded sub-groups (the last ones)."""
+    sizes = sub_group_numels(partition_numels_per_group, sub_group_size)
     return sum(sizes[num_sub_groups_on_device(len(sizes), ratio):])
 
 
 def largest_sub_group_numel(partition_numels_per_group: list[list[int]], sub_group_size: int) -> int:
-    """Elements of this rank's largest sub-group, cut as stage 3 cuts them (0 without any): what
-    one NVMe staging buffer must hold, since a stage-3 sub-group is swapped whole (as DeepSpeed
-    sizes its swap buffers); it exceeds `sub_group_size` by less than the last parameter's partition."""
-    sizes = [sum(numels[i] for i in cut) for numels in partition_numels_per_group
-             for cut in plan_sub_groups(numels, sub_group_size)]
-    return max(sizes, default=0)
+    """Elements of this rank's largest sub-group (0 without any): what one NVMe staging buffer
+    must hold, since a stage-3 sub-group is swapped whole (as DeepSpeed sizes its swap buffers);
+    it exceeds `sub_group_size` by less than the last parameter's partition."""
+    return max(sub_group_numels(partition_numels_per_group, sub_group_size), default=0)
