@@ -16,6 +16,7 @@ $(VENV)/.base:
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
 	$(PIP) install -q $(TORCH) -e '.[test]'
+	$(PIP) install -q --no-build-isolation $(TORCH) deepspeed==0.19.8
 	touch $@
 
 demo: $(VENV)/.base
