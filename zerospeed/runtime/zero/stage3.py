@@ -34,9 +34,10 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload_states import OffloadStates
@@ -64,14 +65,13 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
                  offload: OffloadStates | None = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
         # [Note: offloaded gradients at stage 3] in stage3_gradients.py
         self.sink = None if offload is None else HostGradientSink(bool(zero_config.offload_optimizer.pin_memory))
         # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
         # sub-groups live on the host): the step's scalar collectives always run on the device.
         self._comm_device = torch.device(get_accelerator().current_device_name())
-        self.precision = precision
         self.zero_config = zero_config
         self.dp_group = dp_group
         self.world_size = comm.get_world_size(dp_group)
@@ -195,22 +195,15 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         self.offload.partitions[index] = stand_in  # type: ignore[union-attr]
 
 
-    # --- the step -----------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
+    # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def _step_gradients(self) -> StepGradients:
         self._finish_reductions()
-        grads, device = self.grad_flat, self._comm_device
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group,
-                                                                         comm_device=device)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self.zero_grad()
-            return
-        scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True, comm_device=device)
-        self._global_grad_norm = scaled_norm / self.loss_scale
-        divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
-        self._step_on_device(grads[:self.num_on_device], 1.0 / divisor)
+        return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        self._step_on_device(grads[:self.num_on_device], multiplier)
         if self.offload is not None:
-            self.offload.step(grads[self.num_on_device:], 1.0 / divisor)
+            self.offload.step(grads[self.num_on_device:], multiplier)
         self._publish_masters()
 
     def _step_on_device(self, grads: list[torch.Tensor], multiplier: float) -> None:
