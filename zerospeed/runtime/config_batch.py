@@ -14,14 +14,16 @@ __all__ = ["data_parallel_world_size", "resolve_batch_sizes"]
 
 def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, grad_acc: int | None,
                         world_size: int, world_size_source: str | None = None) -> tuple[int, int, int]:
-    """(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps), DeepSpeed's way (§2.2).
+    """(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps), DeepSpeed's way.
 
     Any two given derive the third by floor division in DeepSpeed's order; one given sets
-    GAS = 1. Then every value must be > 0 and TBS == MBS * GAS * world_size, with DeepSpeed's
-    assertion messages (plus where the world size came from, the usual culprit).
+    GAS = 1. A given value <= 0 is an error naming its key. A triangle that cannot close (a derived
+    value of 0, or TBS != MBS * GAS * world_size) is an error naming the three values as given and
+    the world size with where it came from (DeepSpeed reports the derived 0 instead, a value the
+    user never set).
     """
     tbs, mbs, gas = train_batch_size, micro_batch, grad_acc
-    _check_positive(tbs, mbs, gas, allow_none=True)
+    _check_positive(tbs, mbs, gas)
     if tbs is not None and mbs is not None and gas is None:
         gas = (tbs // mbs) // world_size
     elif tbs is not None and gas is not None and mbs is None:
@@ -35,22 +37,23 @@ def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, g
     elif tbs is None and mbs is None:
         raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
     assert tbs is not None and mbs is not None and gas is not None
-    _check_positive(tbs, mbs, gas, allow_none=False)
-    if tbs != mbs * gas * world_size:
-        source = f" (world_size {world_size} from {world_size_source})" if world_size_source else ""
-        raise ConfigError("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu "
-                          f"* gradient_acc_step * world_size {tbs} != {mbs} * {gas} * {world_size}{source}")
+    if min(tbs, mbs, gas) <= 0 or tbs != mbs * gas * world_size:
+        given = ", ".join(f"{key} {'not set' if value is None else value}" for key, value in zip(
+            _BATCH_KEYS, (train_batch_size, micro_batch, grad_acc)))
+        source = f" (from {world_size_source})" if world_size_source else ""
+        raise ConfigError(f"Check batch related parameters: {given} on world_size {world_size}{source} cannot "
+                          "satisfy train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps"
+                          f" * world_size (derived: {tbs} != {mbs} * {gas} * {world_size})")
     return tbs, mbs, gas
 
 
-def _check_positive(tbs: int | None, mbs: int | None, gas: int | None, allow_none: bool) -> None:
-    for value, message in ((tbs, "Train batch size: {} has to be greater than 0"),
-                           (mbs, "Micro batch size per gpu: {} has to be greater than 0"),
-                           (gas, "Gradient accumulation steps: {} has to be greater than 0")):
-        if value is None and allow_none:
-            continue
-        if value is None or value <= 0:
-            raise ConfigError(message.format(value))
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _check_positive(tbs: int | None, mbs: int | None, gas: int | None) -> None:
+    for key, value in zip(_BATCH_KEYS, (tbs, mbs, gas)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}: {value} has to be greater than 0")
 
 
 def data_parallel_world_size(world_size: int | None, mpu: Any, mesh_device: Any,

@@ -6,10 +6,11 @@ config_optimizer). Cross-section rules are checked here.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import math
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import AliasChoices, BeforeValidator, Field, model_validator
+from pydantic import AliasChoices, BeforeValidator, Field, field_validator, model_validator
 
 from zerospeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from zerospeed.runtime.config_optimizer import OptimizerConfig, SchedulerConfig
@@ -30,7 +31,7 @@ from zerospeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 __all__ = ["UNIMPLEMENTED_KEYS", "DeepSpeedRootConfig"]
 
 UNIMPLEMENTED_KEYS = (
-    "amp", "compile", "hybrid_engine", "tensor_parallel", "elasticity", "compression_training",
+    "amp", "msamp", "compile", "hybrid_engine", "tensor_parallel", "elasticity", "compression_training",
     "autotuning", "sparse_attention", "curriculum_learning", "data_efficiency", "quantize_training",
     "nebula", "datastates", "zenflow", "eigenvalue", "progressive_layer_drop", "sparse_gradients",
     "graph_harvesting", "torch_autocast", "expert_parallel", "use_data_before_expert_parallelism",
@@ -46,6 +47,8 @@ def _section(model: type[DeepSpeedConfigModel]) -> Any:
 
 class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Every top-level ds_config key, with DeepSpeed's defaults."""
+
+    accepted_keys: ClassVar[tuple[str, ...]] = UNIMPLEMENTED_KEYS
 
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
@@ -76,6 +79,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     communication_data_type: CommDtype = None
     seq_parallel_communication_data_type: CommDtype = torch.float32
     steps_per_print: int | None = Field(None, ge=1)
+    """Log every N steps; None (or infinity, which accelerate sends) never."""
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False
@@ -110,6 +114,11 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
         if isinstance(data.get("log_level"), str):
             data["log_level"] = data["log_level"].lower()
         return data
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_is_never(cls, value: Any) -> Any:
+        return None if isinstance(value, float) and math.isinf(value) and value > 0 else value
 
     @model_validator(mode="after")
     def _cross_section_checks(self) -> DeepSpeedRootConfig:
