@@ -70,6 +70,10 @@ class EngineCheckpointing:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         if tag is None:
             latest = os.path.join(load_dir, LATEST)
+            if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
+                logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
+                               "nothing was loaded")
+                return None, None
             if not os.path.isfile(latest):
                 logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint "
                                "please ensure this file exists or pass an explicit checkpoint tag when loading "
