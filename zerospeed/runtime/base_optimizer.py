@@ -14,7 +14,7 @@ and at the accumulation boundary `wrapper.step()` then `wrapper.zero_grad()`. Th
 drives `param_groups`, which are the base optimizer's.
 
 [Note: one step]
-`step()` is written once, here, for every stage; a stage supplies three things: its gradients
+`step()` is written once, here, for every stage; a stage supplies two things: its gradients
 at the step (`_step_gradients`: whatever is still unreduced is reduced first; this rank's
 tensors, and the group over which they are partitioned, if they are), and the update
 (`_apply_update`: base optimizer on the masters, parameters made visible to the module). The
@@ -124,16 +124,24 @@ class DeepSpeedOptimizer(abc.ABC):
         """At the accumulation boundary: [Note: one step]."""
         grads = self._step_gradients()
         scale = self.loss_scaler.cur_scale    # what the gradients carry; update_scale may change it
-        self.overflow = self.precision.check_overflow and any_non_finite(
-            grads.tensors, group=grads.group, reduce=grads.partitioned, comm_device=grads.comm_device)
+        self.overflow = self.precision.check_overflow and self._has_overflow(grads)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
             return
-        scaled_norm = global_norm(grads.tensors, group=grads.group, partitioned=grads.partitioned,
-                                  comm_device=grads.comm_device)
+        scaled_norm = self._scaled_global_norm(grads)
         self._global_grad_norm = scaled_norm / scale
         self._apply_update(grads.tensors, 1.0 / unscale_and_clip_factor(scaled_norm, scale, self.clip_grad))
+
+    def _has_overflow(self, grads: StepGradients) -> bool:
+        """Whether any rank's gradients hold inf or nan (reduced over the group when partitioned)."""
+        return any_non_finite(grads.tensors, group=grads.group, reduce=grads.partitioned,
+                              comm_device=grads.comm_device)
+
+    def _scaled_global_norm(self, grads: StepGradients) -> float:
+        """The L2 norm of the whole (still loss-scaled) gradient vector, the same on every rank."""
+        return global_norm(grads.tensors, group=grads.group, partitioned=grads.partitioned,
+                           comm_device=grads.comm_device)
 
     @abc.abstractmethod
     def _step_gradients(self) -> StepGradients:

@@ -19,8 +19,8 @@ import torch
 from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
                                               tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import scale_
-from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
+from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
+from zerospeed.runtime.grad_utils import any_non_finite, scale_
 from zerospeed.runtime.precision import PrecisionSettings
 
 
@@ -39,7 +39,8 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
-        self._reducer = OverlappedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._has_experts = self._reducer.has_experts
         self._reduce_in_backward = False
         for index, param in enumerate(self._lp_params):
             param.register_post_accumulate_grad_hook(self._grad_hook(index))
@@ -110,8 +111,15 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
 
     # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
     def _step_gradients(self) -> StepGradients:
-        # All-reduced already: every rank holds the same whole vector, so no collective is needed.
         return StepGradients(self._gradients())
+
+    def _has_overflow(self, grads: StepGradients) -> bool:
+        # Gradients are already all-reduced, so every rank sees the same overflow: no collective,
+        # unless expert gradients (which differ between expert-parallel ranks) are among them.
+        return any_non_finite(grads.tensors, group=self.dp_group, reduce=self._has_experts)
+
+    def _scaled_global_norm(self, grads: StepGradients) -> float:
+        return grouped_norm(expert_norm_groups(self._lp_params, grads.tensors))
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         for master, grad in zip(self._masters, grads):
