@@ -26,7 +26,6 @@ CPU optimizer's torch counterpart, and sub-group k >= num_on_device is `OffloadS
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -48,19 +47,11 @@ from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper, SwappedFla
 from zerospeed.runtime.zero.param_state import ZeroParameter, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
-from zerospeed.runtime.zero.stage3_gradients import Stage3Gradients
+from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3GradientReducer
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 
-@dataclasses.dataclass
-class _Slot:
-    """Where a trainable parameter's partition lives: sub-group and offset in its flats."""
-
-    sub_group: int
-    offset: int
-
-
-class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
@@ -83,7 +74,10 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         self._check_param_offload()
         self._init_sub_groups()
         self.param_swapper = self._swap_out_partitions()
-        self._init_gradient_hooks()
+        self.gradients = Stage3GradientReducer(
+            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self._offloaded,
+            precision=precision, dp_group=dp_group, reduce_bucket_numel=self.reduce_bucket_size,
+            overlap_comm=self.overlap_comm, sink=self.sink, leaf_param_ids=self.parameter_offload.leaf_param_ids)
 
     # --- setup --------------------------------------------------------------------------------
     def _init_sub_groups(self) -> None:
@@ -91,7 +85,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         self.lp_flat: list[torch.Tensor] = []
         self.fp32_flat: list[torch.nn.Parameter] = []
         self.grad_flat: list[torch.Tensor] = []
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, GradientSlot] = {}
         self._group_ranges: list[range] = []    # each param group's sub-group indices
         groups = self.optimizer.param_groups
         trainable = [[p for p in group["params"] if p.requires_grad] for group in groups]
@@ -132,7 +126,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         for param in params:
             size = param.partition_numel()
             set_partition(param, lp.narrow(0, offset, size))
-            self._slots[id(param)] = _Slot(index, offset)
+            self._slots[id(param)] = GradientSlot(index, offset)
             offset += size
         offloaded = self._offloaded(index)
         master = torch.nn.Parameter(lp if dtype == torch.float32 or offloaded else lp.float())
@@ -196,8 +190,13 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
 
 
     # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        self.gradients.end_backward()
+        self.parameter_offload.partition_all_parameters()
+
     def _step_gradients(self) -> StepGradients:
-        self._finish_reductions()
+        self.gradients.finish()
+        self.parameter_offload.partition_all_parameters()
         return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
