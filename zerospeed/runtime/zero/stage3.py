@@ -136,8 +136,8 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
             self._slots[id(param)] = _Slot(index, offset)
             offset += size
         offloaded = self._offloaded(index)
-        if offloaded:
-            master = torch.nn.Parameter(lp if dtype == torch.float32 else lp.float())
+        if offloaded:  # a stand-in: OffloadStates holds the real master
+            master = torch.nn.Parameter(lp)
         elif self._param_offload_alone():
             # [Note: offload_param alone] the master and the optimizer state stay on the compute
             # device (DeepSpeed's ZeRO-Infinity parameter offload); only `lp` lives on the host / NVMe.
