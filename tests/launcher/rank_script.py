@@ -2,7 +2,9 @@
 
 Modes: ``env`` (gloo all_reduce, print the env as JSON), ``raise`` (rank 1 raises, the others
 sleep), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
-the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds). Every rank writes its pid and the pid
+the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds), ``hang`` (rank 1 loops outside any
+collective while rank 0 waits in a zerospeed all_reduce), ``slow`` (a step of ``ZS_TEST_SLOW_S``
+seconds on every rank between two all_reduces: slow, not hung). Every rank writes its pid and the pid
 of a forked ``sleep`` child into PID_DIR, so a test can check that nothing of the job is left.
 """
 
@@ -39,6 +41,24 @@ elif mode == "raise":
         time.sleep(0.5)
         raise RuntimeError("boom from rank one")
     time.sleep(300)
+elif mode in ("hang", "slow"):
+    import torch
+
+    from zerospeed import comm
+
+    def stuck_in_data_loader():  # the frame the hang report must show for rank 1
+        while True:
+            time.sleep(0.05)
+
+    comm.init_distributed("gloo", verbose=False)
+    comm.all_reduce(torch.ones(1))
+    if mode == "hang" and rank == 1:
+        stuck_in_data_loader()
+    if mode == "slow":
+        time.sleep(float(os.environ["ZS_TEST_SLOW_S"]))
+    comm.all_reduce(torch.ones(1))
+    child.kill()
+    os._exit(0)
 elif mode == "sleep":
     time.sleep(300)
 elif mode == "teardown":

@@ -25,6 +25,7 @@ import threading
 import time
 
 from zerospeed.launcher.hostfile import decode_world_info
+from zerospeed.launcher.hang import HangWatch, hang_timeout_s
 from zerospeed.launcher.lifeline import Guard
 from zerospeed.launcher.rank_process import RankProcess, RankSpec
 from zerospeed.launcher.supervisor import AbortChannel, Outcome, supervise
@@ -163,7 +164,7 @@ def report(outcome: Outcome, host: str) -> None:
         print(f"\n{bar}\nzerospeed: {outcome.reason}\n"
               f"---- traceback of rank {f.spec.rank} (local_rank {f.spec.local_rank}) on host {host} ----\n"
               f"{f.failure_text()}\n{bar}", file=sys.stderr, flush=True)
-    elif outcome.reason:
+    elif outcome.reason and not outcome.reported:
         level = "warning" if outcome.exit_code == 0 else "error"
         print(f"zerospeed: {level}: {outcome.reason} (host {host})", file=sys.stderr, flush=True)
 
@@ -182,6 +183,8 @@ def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int])
             spec.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     pid_file = os.path.join(PID_FILE_DIR, f"{args.save_pid}.zerospeed") if args.save_pid else None
     with tempfile.TemporaryDirectory(prefix="zerospeed-launch-") as run_dir:
+        watch = HangWatch(run_dir, hang_timeout_s(), host)
+        watch.prepare(specs)
         guard = Guard()
         ranks = start_ranks(args, host, specs, run_dir, guard)
         _log(args, f"node {args.node_rank} ({host}): ranks {specs[0].rank}..{specs[-1].rank} "
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int])
             if pid_file:
                 with open(pid_file, "w") as f:
                     f.write("\n".join(str(p) for p in [os.getpid(), *(r.pid for r in ranks)]) + "\n")
-            outcome = supervise(ranks, stop, stop_signal, channel)
+            outcome = supervise(ranks, stop, stop_signal, channel, watch)
             guard.close()  # the ranks are stopped; otherwise the guard stops them as the launcher exits
         finally:
             if pid_file and os.path.exists(pid_file):
