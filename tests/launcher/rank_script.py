@@ -1,7 +1,7 @@
 """The script the launcher tests run as every rank: ``rank_script.py [--local_rank=N] MODE PID_DIR``.
 
 Modes: ``env`` (gloo all_reduce, print the env as JSON), ``raise`` (rank 1 raises, the others
-sleep), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
+sleep), ``raise_both`` (every rank raises the same error), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
 the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds), ``hang`` (rank 1 loops outside any
 collective while rank 0 waits in a zerospeed all_reduce), ``slow`` (a step of ``ZS_TEST_SLOW_S``
 seconds on every rank between two all_reduces: slow, not hung). Every rank writes its pid and the pid
@@ -41,6 +41,16 @@ elif mode == "raise":
         time.sleep(0.5)
         raise RuntimeError("boom from rank one")
     time.sleep(300)
+elif mode == "raise_both":  # the same exception on both ranks, rank 1 first; SIGTERM is ignored
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def fail():
+        raise RuntimeError("boom from every rank")
+
+    time.sleep(0.5 if rank == 1 else 1.5)
+    fail()
 elif mode in ("hang", "slow"):
     import torch
 

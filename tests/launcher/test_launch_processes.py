@@ -40,7 +40,18 @@ def test_a_rank_that_raises_stops_the_job_fast(tmp_path):
     final = stderr[stderr.rindex("zerospeed: rank 1 on host localhost failed"):]
     assert "traceback of rank 1 (local_rank 1) on host localhost" in final
     assert "RuntimeError: boom from rank one" in final
+    assert stderr.count("RuntimeError: boom from rank one") == 1, "the traceback is printed once, in the final report"
     assert alive(pids) == [], "processes of the job are left"
+
+
+def test_one_traceback_raised_by_every_rank_is_printed_once_with_its_ranks(tmp_path):
+    """Issue 14.5: each distinct traceback once, with the ranks that raised it."""
+    out = subprocess.run(launcher_argv("--num_gpus", "2", SCRIPT, "raise_both", str(tmp_path)),
+                         env=env(ZS_KILL_GRACE_S="5"), check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("RuntimeError: boom from every rank") == 1, out.stderr
+    assert "---- traceback of ranks 0, 1 (local_ranks 0, 1) on host localhost ----" in out.stderr
+    assert alive(job_pids(tmp_path, 2)) == []
 
 
 def test_sigterm_to_the_launcher_stops_every_process(tmp_path):

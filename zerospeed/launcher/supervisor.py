@@ -154,6 +154,8 @@ def supervise(ranks: list[RankProcess], stop: threading.Event, stop_signal: list
         if message is not None:
             stop_all(ranks, kill_grace_s)
             return Outcome(1, reason=f"stopped: {message}")
+        for rank in ranks:
+            rank.release_held()
         summary = watch.check(ranks) if watch is not None else None
         if summary is not None:
             return _end_hung_job(ranks, watch, summary, channel, kill_grace_s)
