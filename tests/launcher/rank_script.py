@@ -39,6 +39,8 @@ if mode == "env":
 elif mode == "raise":
     if rank == 1:
         time.sleep(0.5)
+        with open(os.path.join(pid_dir, "raised_at"), "w") as f:  # fail-fast is timed from here
+            f.write(repr(time.time()))
         raise RuntimeError("boom from rank one")
     time.sleep(300)
 elif mode == "raise_both":  # the same exception on both ranks, rank 1 first; SIGTERM is ignored
