@@ -69,6 +69,10 @@ class EngineCheckpointing:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         if tag is None:
+            if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
+                logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
+                               "nothing was loaded")
+                return None, None
             tag = read_latest(load_dir)  # a damaged `latest` raises, naming the file
             if tag is None:
                 latest = os.path.join(load_dir, LATEST)
