@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from zerospeed.launcher import heartbeat as _heartbeat
 from zerospeed.utils.logging import log_dist, logger
 from zerospeed.version import (
     __git_branch__,
@@ -15,6 +16,7 @@ from zerospeed.version import (
     __version_patch__,
 )
 
+_heartbeat.install()  # under the launcher: the hang report's heartbeat and stack dump
 dist = None  # DeepSpeed's module global: `zerospeed.comm` once initialize() has run
 
 
