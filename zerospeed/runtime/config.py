@@ -70,6 +70,7 @@ class DeepSpeedConfig:
             setattr(self, key, getattr(m, key))
         if m.flops_profiler.enabled:
             self.wall_clock_breakdown = True
+        self.use_data_before_expert_parallel_ = m.use_data_before_expert_parallelism  # DeepSpeed's name
 
     def _init_sections(self) -> None:
         m = self.model

@@ -34,7 +34,7 @@ UNIMPLEMENTED_KEYS = (
     "amp", "msamp", "compile", "hybrid_engine", "tensor_parallel", "elasticity", "compression_training",
     "autotuning", "sparse_attention", "curriculum_learning", "data_efficiency", "quantize_training",
     "nebula", "datastates", "zenflow", "eigenvalue", "progressive_layer_drop", "sparse_gradients",
-    "graph_harvesting", "torch_autocast", "expert_parallel", "use_data_before_expert_parallelism",
+    "graph_harvesting", "torch_autocast", "expert_parallel",
     "weight_quantization", "disable_python_gc",
 )
 
@@ -89,6 +89,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
     vocabulary_size: int | None = Field(None, ge=1)
     sequence_parallel_size: int = Field(1, ge=1)
+    use_data_before_expert_parallelism: bool = False
+    """MoE group layout: expert-data-parallel ranks consecutive ("D + E") instead of expert-parallel ones."""
     managed_gradient_accumulation: bool = True
     allgather_size: int = Field(500_000_000, ge=0)
     """Only read by the deprecated `"zero_optimization": true` form."""
