@@ -38,6 +38,7 @@ from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients,
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.config_sections import AioConfig
 from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.zero.partial_offload import build_device_optimizer
@@ -56,9 +57,10 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
-                 offload: OffloadStates | None = None) -> None:
+                 offload: OffloadStates | None = None, aio_config: Any = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
+        self.aio_config = aio_config if aio_config is not None else (offload.aio_config if offload else AioConfig())
         # [Note: offloaded gradients at stage 3] in stage3_gradients.py
         self.sink = None if offload is None else HostGradientSink(bool(zero_config.offload_optimizer.pin_memory))
         # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
@@ -72,7 +74,6 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.overlap_comm = bool(zero_config.overlap_comm)
         self.parameter_offload = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names,
                                                       precision.param_dtype)
-        self._check_param_offload()
         self._init_sub_groups()
         self.param_swapper = self._swap_out_partitions()
         self.gradients = Stage3GradientReducer(
@@ -130,14 +131,25 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
             self._slots[id(param)] = GradientSlot(index, offset)
             offset += size
         offloaded = self._offloaded(index)
-        master = torch.nn.Parameter(lp if dtype == torch.float32 or offloaded else lp.float())
+        if offloaded:  # a stand-in: OffloadStates holds the real master
+            master = torch.nn.Parameter(lp)
+        elif self._param_offload_alone():
+            # [Note: offload_param alone] the master and the optimizer state stay on the compute
+            # device (DeepSpeed's ZeRO-Infinity parameter offload); only `lp` lives on the host / NVMe.
+            master = torch.nn.Parameter(lp.to(self._comm_device, torch.float32, copy=True))
+        else:
+            master = torch.nn.Parameter(lp if dtype == torch.float32 else lp.float())
         self.fp16_groups.append(params)
         self.lp_flat.append(lp)
         self.fp32_flat.append(master)
         dtype = self.precision.grad_accum_dtype
         self.grad_flat.append(self.sink.host_buffer(lp.numel(), dtype) if offloaded  # type: ignore[union-attr]
-                              else torch.zeros_like(lp, dtype=dtype))
+                              else torch.zeros(lp.numel(), dtype=dtype, device=master.device))
         return master
+
+    def _param_offload_alone(self) -> bool:
+        block = self.zero_config.offload_param
+        return self.offload is None and block is not None and block.enabled
 
     def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
         """`offload_param`: the sub-group's partitions live in host memory (pinned with an
@@ -152,19 +164,14 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         block = self.zero_config.offload_param
         return block if block is not None and block.device.value == "nvme" else None
 
-    def _check_param_offload(self) -> None:
-        if self._param_nvme_block() is not None and self.offload is None:
-            raise ValueError("zero_optimization.offload_param.device 'nvme' needs optimizer offload as well: set "
-                             "zero_optimization.offload_optimizer.device to 'cpu' or 'nvme' (the optimizer step "
-                             "then updates the swapped parameter partitions on the host)")
-
     def _swap_out_partitions(self) -> ParamSwapper | None:
         """`offload_param: nvme`: sub-groups beyond the first `max_in_cpu` elements (cumulative, in
         sub-group order: DeepSpeed's rule) are written to files and dropped from memory."""
         block = self._param_nvme_block()
+        self._swapped_flats: dict[int, int] = {}
         if block is None:
             return None
-        aio = self.offload.aio_config  # type: ignore[union-attr]
+        aio = self.aio_config
         swap_dir = os.path.join(str(block.nvme_path), "zerospeed_offload",
                                 f"rank{comm.get_rank():02d}_pid{os.getpid()}", "param")
         swapper = ParamSwapper(swap_dir, AsyncIOEngine(aio.block_size, aio.queue_depth, aio.intra_op_parallelism),
@@ -180,14 +187,18 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
                 part = swapper.partition(flat_ids[index], self._slots[id(param)].offset, param.partition_numel())
                 set_swapped(param, part)
             self._drop_flat(index, torch.empty(0, dtype=lp.dtype))
-        self.offload.partition_access = SwappedFlatAccess(swapper, self.offload.partitions, flat_ids)  # type: ignore[union-attr]
+        self._swapped_flats = flat_ids
+        if self.offload is not None:
+            self.offload.partition_access = SwappedFlatAccess(swapper, self.offload.partitions, flat_ids)
         return swapper
 
     def _drop_flat(self, index: int, stand_in: torch.Tensor) -> None:
-        """Every reference to sub-group `index`'s resident flat now points at `stand_in`."""
+        """Every reference to sub-group `index`'s resident flat now points at `stand_in` (the master
+        too when it is the flat itself: offloaded fp32; alone, the master is a device copy)."""
         self.lp_flat[index] = stand_in
-        self.fp32_flat[index].data = stand_in
-        self.offload.partitions[index] = stand_in  # type: ignore[union-attr]
+        if self.offload is not None:
+            self.fp32_flat[index].data = stand_in
+            self.offload.partitions[index] = stand_in
 
 
     # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
@@ -218,9 +229,12 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
 
     @torch.no_grad()
     def _publish_masters(self) -> None:
-        for master, lp in zip(self.fp32_flat, self.lp_flat):
+        swapped = self._swapped_flats if self.offload is None else {}  # with offload: written by its step
+        for index, (master, lp) in enumerate(zip(self.fp32_flat, self.lp_flat)):
             master.grad = None
-            if master.data_ptr() != lp.data_ptr():
+            if index in swapped:  # [Note: offload_param alone] the device master back to the file
+                self.param_swapper.write_range(swapped[index], 0, master.detach().to("cpu", lp.dtype), wait=True)  # type: ignore[union-attr]
+            elif master.data_ptr() != lp.data_ptr():
                 lp.copy_(master)
         self.parameter_offload.refresh_persistent_parameters()
 
