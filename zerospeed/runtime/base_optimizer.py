@@ -16,7 +16,7 @@ drives `param_groups`, which are the base optimizer's.
 [Note: stage dispatch]
 The engine and `checkpoint/` never ask which stage they run: what differs between stages is a
 method here that each wrapper answers (`trainable_param_groups`, `param_shapes`,
-`module_state_dict_16bit`, `supports_no_sync`, `refresh_fp32_params`, the state dicts). The
+`saves_16bit_model`, `module_state_dict_16bit`, `supports_no_sync`, `refresh_fp32_params`, the state dicts). The
 factory (optimizer_factory.py) is the one place that branches on the stage.
 tests/runtime/test_optimizer_contract.py runs every wrapper through this contract.
 
@@ -175,10 +175,14 @@ class DeepSpeedOptimizer(abc.ABC):
         """Per group of `trainable_param_groups`, name -> full shape (DeepSpeed's `param_shapes`)."""
         return [{param_names[p]: p.shape for p in group} for group in self.trainable_param_groups()]
 
+    def saves_16bit_model(self) -> bool:
+        """Whether `save_16bit_model` writes anything (stage 3: only when the config gathers)."""
+        return True
+
     def module_state_dict_16bit(self, module: torch.nn.Module,
                                 exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        """The full model-dtype state dict `save_16bit_model` writes (collective at stage 3, where
-        None means the config does not gather it)."""
+        """The full model-dtype state dict `save_16bit_model` writes; at stage 3 a collective whose
+        result only rank 0 receives (None elsewhere), as DeepSpeed's."""
         state = module.state_dict()
         if exclude_frozen_parameters:
             for name, param in module.named_parameters():

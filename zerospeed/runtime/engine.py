@@ -252,12 +252,12 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         `stage3_gather_16bit_weights_on_model_save` is on (else it logs and returns False)."""
         import os
 
-        state_dict = self.module.state_dict() if self.optimizer is None else \
-            self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
-        if state_dict is None:
+        if self.optimizer is not None and not self.optimizer.saves_16bit_model():
             logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
                         "False", os.path.join(save_dir, save_filename))
             return False
+        state_dict = self.module.state_dict() if self.optimizer is None else \
+            self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state_dict, os.path.join(save_dir, save_filename))

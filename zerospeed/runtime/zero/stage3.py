@@ -285,10 +285,11 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
         return list(self.fp16_groups)  # type: ignore[arg-type]
 
+    def saves_16bit_model(self) -> bool:
+        return bool(self.zero_config.gather_16bit_weights_on_model_save)
+
     def module_state_dict_16bit(self, module: torch.nn.Module,
                                 exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        if not self.zero_config.gather_16bit_weights_on_model_save:
-            return None
         from zerospeed.runtime.zero.partition_parameters import consolidated_16bit_state_dict
 
         return consolidated_16bit_state_dict(module, exclude_frozen_parameters, self.dp_group)
