@@ -38,8 +38,9 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/run.py
 
 lint: $(VENV)/.test
-	$(PIP) install -q ruff
+	$(PIP) install -q ruff mypy
 	$(VENV)/bin/ruff check zerospeed tests examples benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -42,7 +42,7 @@ class CommsLogger:
         for key, value in (("enabled", enabled), ("verbose", verbose), ("prof_all", prof_all),
                            ("prof_ops", prof_ops), ("debug", debug)):
             if value is not None:
-                setattr(self, key, list(value) if key == "prof_ops" else value)
+                setattr(self, key, list(value) if isinstance(value, list) else value)
 
     def reset(self) -> None:
         self.records.clear()

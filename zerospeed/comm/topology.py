@@ -70,7 +70,8 @@ class ProcessTopology:
         """The coordinate (a ``ProcessCoord`` namedtuple) of ``rank``."""
         if not 0 <= rank < self.world_size():
             raise ValueError(f"rank {rank} not found in topology {dict(zip(self.axes, self.dims))}")
-        return self.ProcessCoord(*((rank // stride) % dim for dim, stride in zip(self.dims, self._strides)))
+        coord = [(rank // stride) % dim for dim, stride in zip(self.dims, self._strides)]
+        return self.ProcessCoord(*coord)
 
     def _coords(self) -> Iterable[Any]:
         return (self.get_coord(rank) for rank in range(self.world_size()))

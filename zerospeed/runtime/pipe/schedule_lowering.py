@@ -147,7 +147,8 @@ def _add_transfer(events: list, finish: dict, rank: int, op: ComputeOp, virtual:
 
 
 def _assign_buffers(ordered: list[tuple[tuple, type, ComputeOp]]) -> tuple[dict[tuple[int, int], int], int]:
-    first, last = {}, {}
+    first: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], int] = {}
     for index, (_, _, op) in enumerate(ordered):
         first.setdefault((op.chunk, op.micro_batch), index)
         last[(op.chunk, op.micro_batch)] = index

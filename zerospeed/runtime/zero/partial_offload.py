@@ -32,7 +32,7 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 _KEY = "zero_optimization.offload_optimizer.ratio"
 
 
-def _device_class(cpu_optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+def _device_class(cpu_optimizer: torch.optim.Optimizer) -> type[torch.optim.Adam] | type[torch.optim.AdamW]:
     if not isinstance(cpu_optimizer, DeepSpeedCPUAdam):
         raise ValueError(f"{_KEY} < 1 needs DeepSpeedCPUAdam (optimizer type Adam or AdamW), as in DeepSpeed: the "
                          "sub-groups kept on the accelerator are stepped by its torch counterpart; got "

@@ -122,7 +122,8 @@ def plan_slabs(partition_numel: int, world_size: int, bucket_numel: int) -> list
     if bucket_numel < 1:
         raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
     row_numel = max(1, bucket_numel // world_size)
-    slabs, end = [], partition_numel
+    slabs: list[Slab] = []
+    end = partition_numel
     while end > 0:
         start = max(0, end - row_numel)
         slabs.append(Slab(len(slabs), start, end - start))
