@@ -18,8 +18,8 @@ import torch
 
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
-from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
+from zerospeed.runtime.grad_utils import any_non_finite, scale_, unscale_and_clip_factor
+from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
 from zerospeed.runtime.precision import PrecisionSettings
 
 
@@ -39,7 +39,8 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
-        self._reducer = OverlappedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._has_experts = self._reducer.has_experts
         self._reduce_in_backward = False
         for index, param in enumerate(self._lp_params):
             param.register_post_accumulate_grad_hook(self._grad_hook(index))
@@ -111,13 +112,15 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
     # --- the step -----------------------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
         grads = self._gradients()
-        # Gradients are already all-reduced, so every rank sees the same overflow: no collective.
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, reduce=False)
+        # Gradients are already all-reduced, so every rank sees the same overflow: no collective,
+        # unless expert gradients (which differ between expert-parallel ranks) are among them.
+        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group,
+                                                                         reduce=self._has_experts)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
             return
-        scaled_norm = global_norm(grads)
+        scaled_norm = grouped_norm(expert_norm_groups(self._lp_params, grads))
         self._global_grad_norm = scaled_norm / self.loss_scale
         divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
         for master, grad in zip(self._masters, grads):

@@ -21,6 +21,7 @@ from zerospeed.runtime.config import DeepSpeedConfig
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
+from zerospeed.runtime.engine_moe import broadcast_expert_params, check_moe_supported, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
     build_lr_scheduler,
@@ -92,7 +93,10 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
                 if param.is_floating_point() and not hasattr(param, "ds_id"):
                     param.data = param.data.to(self.precision.param_dtype)
         model.to(self.device)
+        self._moe = setup_moe(model, self._config.use_data_before_expert_parallel_)
         broadcast_module_from_rank0(model, self.dp_group)
+        if self._moe.has_moe_layers:
+            broadcast_expert_params(model)
         self.param_names = {param: name for name, param in model.named_parameters()}
 
     def _init_dataloader(self, training_data: Any, collate_fn: Any) -> DeepSpeedDataLoader | None:
@@ -112,6 +116,11 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
             data_parallel_rank=comm.get_rank(self.dp_group), dataloader_drop_last=self._config.dataloader_drop_last)
 
     def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
+        if self._moe.has_moe_layers:
+            check_moe_supported(self._config)
+            if client_optimizer is None:  # DeepSpeed splits expert params into their own groups itself
+                model_parameters = moe_model_parameters(model_parameters if model_parameters is not None
+                                                        else self.module.parameters())
         self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
                                                          model_parameters)
         self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,

@@ -97,3 +97,20 @@ class EngineAccessors:
 
     def get_loss_scale(self) -> float:
         return self.optimizer.cur_scale
+
+    # --- Mixture of Experts (engine_moe.py) -------------------------------------------------------
+    @property
+    def has_moe_layers(self) -> bool:
+        return self._moe.has_moe_layers
+
+    @property
+    def num_experts(self) -> list[int]:
+        return self._moe.num_experts
+
+    @property
+    def moe_layers(self) -> list[Any]:
+        return self._moe.moe_layers
+
+    @property
+    def gate_modules(self) -> list[Any]:
+        return self._moe.gate_modules
