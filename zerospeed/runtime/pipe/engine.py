@@ -23,6 +23,7 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.engine import DeepSpeedEngine
 from zerospeed.runtime.grad_utils import scale_, sum_of_squares
+from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
 from zerospeed.runtime.pipe.executor import StageExecutor
 from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
 from zerospeed.runtime.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
@@ -36,7 +37,7 @@ _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
 _SCHEDULES = {"1f1b": TrainSchedule, "gpipe": GPipeSchedule, "interleaved_1f1b": Interleaved1F1BSchedule}
 
 
-class PipelineEngine(DeepSpeedEngine):
+class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
     def __init__(self, *args: Any, has_bool_tensors: bool = False, **kwargs: Any) -> None:
         model = kwargs.get("model")
         if not isinstance(model, PipelineModule):
