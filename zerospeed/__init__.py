@@ -38,6 +38,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    from zerospeed.runtime.activation_checkpointing.checkpointing import configure_from_ds_config
+
+    configure_from_ds_config(engine._config, mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -64,7 +67,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-_LAZY_SUBMODULES = ("comm", "zero", "accelerator", "ops", "monitor", "profiling", "checkpoint", "launcher")
+_LAZY_SUBMODULES = ("comm", "zero", "accelerator", "ops", "monitor", "profiling", "checkpoint", "launcher",
+                    "checkpointing", "pipe")
 
 
 def __getattr__(name: str) -> Any:

@@ -56,6 +56,23 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     assert "launcher received SIGTERM" in stderr
 
 
+def _wait_until_dead(pids, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path):
+    """[Note: lifeline]: the ranks die by the parent-death signal, their forked children by the guard."""
+    proc = subprocess.Popen(launcher_argv("--num_gpus", "2", SCRIPT, "sleep", str(tmp_path)),
+                            env=env(ZS_KILL_GRACE_S="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids = wait_for_pid_files(tmp_path, 2)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert _wait_until_dead(pids, 10) == [], "ranks or their children outlived the SIGKILLed launcher"
+
+
 def test_a_missing_script_is_one_clear_error(tmp_path):
     missing = str(tmp_path / "no_such_train.py")
     out = subprocess.run(launcher_argv("--num_gpus", "2", missing), env=env(),

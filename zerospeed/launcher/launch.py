@@ -25,6 +25,7 @@ import threading
 import time
 
 from zerospeed.launcher.hostfile import decode_world_info
+from zerospeed.launcher.lifeline import Guard
 from zerospeed.launcher.rank_process import RankProcess, RankSpec
 from zerospeed.launcher.supervisor import AbortChannel, Outcome, supervise
 
@@ -132,7 +133,8 @@ def _core_sets(num_local: int, core_list: str | None) -> list[list[int]]:
     return [cores[i * per_rank:(i + 1) * per_rank] or cores for i in range(num_local)]
 
 
-def start_ranks(args: argparse.Namespace, host: str, specs: list[RankSpec], run_dir: str) -> list[RankProcess]:
+def start_ranks(args: argparse.Namespace, host: str, specs: list[RankSpec], run_dir: str,
+                guard: Guard | None = None) -> list[RankProcess]:
     log_dir = None if args.enable_each_rank_log in ("None", "", None) else args.enable_each_rank_log
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
@@ -144,6 +146,8 @@ def start_ranks(args: argparse.Namespace, host: str, specs: list[RankSpec], run_
             spec.env["OMP_NUM_THREADS"] = str(len(cores[spec.local_rank]))
         log_path = os.path.join(log_dir, f"{stamp}_rank{spec.rank}.log") if log_dir else None
         rank = RankProcess(spec, host, os.path.join(run_dir, f"error_rank{spec.rank}.json"), log_path)
+        if guard is not None:
+            guard.watch(rank.pid)  # the rank leads its own process group: pgid == pid
         if cores is not None:
             # Set just after the fork: ranks are Python processes that start threads later.
             os.sched_setaffinity(rank.pid, cores[spec.local_rank])
@@ -178,7 +182,8 @@ def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int])
             spec.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     pid_file = os.path.join(PID_FILE_DIR, f"{args.save_pid}.zerospeed") if args.save_pid else None
     with tempfile.TemporaryDirectory(prefix="zerospeed-launch-") as run_dir:
-        ranks = start_ranks(args, host, specs, run_dir)
+        guard = Guard()
+        ranks = start_ranks(args, host, specs, run_dir, guard)
         _log(args, f"node {args.node_rank} ({host}): ranks {specs[0].rank}..{specs[-1].rank} "
                    f"of {specs[0].env['WORLD_SIZE']}, pids {[r.pid for r in ranks]}")
         try:
@@ -186,6 +191,7 @@ def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int])
                 with open(pid_file, "w") as f:
                     f.write("\n".join(str(p) for p in [os.getpid(), *(r.pid for r in ranks)]) + "\n")
             outcome = supervise(ranks, stop, stop_signal, channel)
+            guard.close()  # the ranks are stopped; otherwise the guard stops them as the launcher exits
         finally:
             if pid_file and os.path.exists(pid_file):
                 os.remove(pid_file)

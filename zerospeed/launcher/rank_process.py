@@ -1,5 +1,6 @@
 """One local rank as an OS process: its own session, a tee of its stderr, a clean kill.
 
+Each rank dies with the launcher, even a SIGKILLed one ([Note: lifeline] in lifeline.py).
 Each rank is started in a new session (``start_new_session=True``, as torch elastic's
 ``SubprocessHandler`` does), so the rank and everything it forks (data loader workers,
 compilers) form one process group that ``os.killpg`` stops at once. Its stderr goes through a
@@ -32,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from zerospeed.launcher.lifeline import parent_death_preexec
+
 __all__ = ["RankProcess", "RankSpec", "stop_all"]
 
 _TAIL_LINES = 200
@@ -61,7 +64,7 @@ class RankProcess:
         env = {**os.environ, **spec.env, "TORCHELASTIC_ERROR_FILE": error_file}
         self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=parent_death_preexec())
         self.pid = self.proc.pid
         self._tee = threading.Thread(target=self._copy_stderr, name=f"tee-rank{spec.rank}", daemon=True)
         self._tee.start()

@@ -16,6 +16,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.comm import groups
 from zerospeed.runtime.config import DeepSpeedConfig
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
@@ -40,7 +41,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
         self._init_counters()
-        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else comm.get_world_group()
+        self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)

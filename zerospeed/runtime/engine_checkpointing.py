@@ -17,7 +17,7 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint import moe_checkpoint
-from zerospeed.checkpoint.atomic import CheckpointTransaction, resolve_tag_dir
+from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
@@ -75,14 +75,17 @@ class EngineCheckpointing:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+            if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
+                logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
+                               "nothing was loaded")
+                return None, None
+            tag = read_latest(load_dir)  # a damaged `latest` raises, naming the file
+            if tag is None:
+                latest = os.path.join(load_dir, LATEST)
                 logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint "
                                "please ensure this file exists or pass an explicit checkpoint tag when loading "
                                "a checkpoint.")
                 return None, None
-            with open(latest) as handle:
-                tag = handle.read().strip()
         tag_dir = resolve_tag_dir(load_dir, str(tag))
         if not os.path.isdir(tag_dir):
             raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")

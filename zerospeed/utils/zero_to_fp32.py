@@ -111,8 +111,13 @@ def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
         latest = os.path.join(checkpoint_dir, "latest")
         if not os.path.isfile(latest):
             raise ValueError(f"Unable to find 'latest' file at {latest}")
-        with open(latest) as handle:
-            tag = handle.read().strip()
+        try:  # binary junk in `latest` is a damaged file: name it
+            with open(latest, "rb") as handle:
+                tag = handle.read(4097).decode("utf-8").strip()
+        except UnicodeDecodeError as error:
+            raise ValueError(f"checkpoint file {latest} is unreadable: {error}") from error
+        if not tag or not tag.isprintable():
+            raise ValueError(f"checkpoint file {latest} is corrupt: it should hold one tag name, it holds {tag[:80]!r}")
     tag_dir = os.path.join(checkpoint_dir, tag)
     moved_aside = os.path.join(checkpoint_dir, f".{tag}.old")  # a save of the same tag was killed mid-rename
     if not os.path.isdir(tag_dir) and os.path.isdir(moved_aside):

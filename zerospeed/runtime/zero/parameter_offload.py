@@ -145,16 +145,13 @@ class DeepSpeedZeRoOffload:
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         total = 0
-        newly = []
         for param in sorted(self.params, key=lambda p: p.zs_state.ds_id):
             state = param.zs_state
             persist = state.numel <= threshold and total + state.numel <= model_threshold
-            if persist:
-                total += state.numel
-                if not state.persist:
-                    newly.append(param)
+            total += state.numel if persist else 0
             set_persist(param, persist)
-        gather_params(newly).wait()
+        # Applied here, at initialize, as DeepSpeed does; zero.Init partitioned every parameter.
+        gather_params([p for p in self.params if p.zs_state.persist]).wait()
         # Persisted at Init but not under this config: drop the full data.
         release_params([p for p in self.params if not p.zs_state.persist])
 
