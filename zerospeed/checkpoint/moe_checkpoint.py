@@ -4,6 +4,7 @@
 Besides the usual files, a checkpoint of a model with `MoE` layers holds
     <tag>/layer_<l>_expert_<e>_mp_rank_00_model_states.pt   one per MoE layer l and *global* expert e
     <tag>/expp_rank_<r>_mp_rank_00_optim_states.pt          stage 0: {"optimizer": state} per expert-parallel rank
+                                                             (fp32: the torch optimizer's state dict, as DeepSpeed)
 Layer l counts the `MoE` modules in `named_modules()` order. An expert file holds that expert's
 entries of the module state dict under their full names, with the local expert index replaced by
 the global one (`...deepspeed_experts.<e>.weight`), and is written by the ranks whose
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 __all__ = ["expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
-           "optim_file_name", "save_moe_files", "saved_expert_files", "split_expert_states", "strip_expert_states"]
+           "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
 EP_SIZES_KEY = "zs_moe_ep_sizes"  # ours, in the model-states file: {expert group name: ep size} at save
@@ -125,4 +126,17 @@ def load_moe_optimizer(engine: Any, tag_dir: str, model_state: dict[str, Any], l
                          f"{sizes}: expert weights reshard, optimizer states do not; load with "
                          "load_optimizer_states=False (or load_module_only=True)")
     path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
-    engine.optimizer.load_state_dict(load(path)["optimizer"], load_optimizer_states=True)
+    saved = load(path)["optimizer"]
+    if "optimizer_state_dict" in saved:   # ours: the low-precision wrapper's state
+        engine.optimizer.load_state_dict(saved, load_optimizer_states=True)
+        return
+    engine.optimizer.optimizer.load_state_dict(saved)   # DeepSpeed's fp32 layout: the torch optimizer's
+    engine.optimizer.refresh_fp32_params()
+
+
+def stage0_optimizer_file_entry(engine: Any, wrapper_entry: Any) -> Any:
+    """What the stage-0 `expp_rank` file holds: in fp32 the torch optimizer's state dict, as DeepSpeed
+    writes it (its bare optimizer), so each library loads the other's; in fp16/bf16 our wrapper's."""
+    if engine.optimizer.precision.low_precision:
+        return wrapper_entry
+    return engine.optimizer.optimizer.state_dict()

@@ -46,7 +46,8 @@ class EngineCheckpointing:
                 moe_checkpoint.strip_expert_states(self, model_states, C.MODULE)
             transaction.write(model_states_name(stage, dp_rank), to_plain(model_states))
         if self.has_moe_layers:
-            optimizer_entry = stage0_optimizer_entry(self) if stage == 0 and self.optimizer is not None else None
+            optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(self, stage0_optimizer_entry(self)) \
+                if stage == 0 and self.optimizer is not None else None
             moe_checkpoint.save_moe_files(self, transaction, to_plain(optimizer_entry))
         if stage >= 1:
             transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
