@@ -21,6 +21,7 @@ from zerospeed.runtime.config import DeepSpeedConfig
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
+from zerospeed.runtime.engine_client_api import EngineClientAPI
 from zerospeed.runtime.engine_moe import broadcast_expert_params, check_moe_supported, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
@@ -33,7 +34,7 @@ from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -44,6 +45,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
+        self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
         self._apply_log_level()
         self.precision = PrecisionSettings.from_config(self._config)
@@ -58,6 +60,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         self.lr_scheduler: Any = None
         if optimizer is not None or self._config.optimizer_name is not None:
             self._init_optimizer(optimizer, model_parameters)
+            self._link_fragment_owner()
             self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
             self._report_progress(0)
         self._init_monitoring()

@@ -26,7 +26,6 @@ CPU optimizer's torch counterpart, and sub-group k >= num_on_device is `OffloadS
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -34,9 +33,10 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.config_sections import AioConfig
 from zerospeed.runtime.zero.host_grads import HostGradientSink
@@ -48,24 +48,16 @@ from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper, SwappedFla
 from zerospeed.runtime.zero.param_state import ZeroParameter, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
-from zerospeed.runtime.zero.stage3_gradients import Stage3Gradients
+from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3GradientReducer
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 
-@dataclasses.dataclass
-class _Slot:
-    """Where a trainable parameter's partition lives: sub-group and offset in its flats."""
-
-    sub_group: int
-    offset: int
-
-
-class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
                  offload: OffloadStates | None = None, aio_config: Any = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
         self.aio_config = aio_config if aio_config is not None else (offload.aio_config if offload else AioConfig())
         # [Note: offloaded gradients at stage 3] in stage3_gradients.py
@@ -73,7 +65,6 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
         # sub-groups live on the host): the step's scalar collectives always run on the device.
         self._comm_device = torch.device(get_accelerator().current_device_name())
-        self.precision = precision
         self.zero_config = zero_config
         self.dp_group = dp_group
         self.world_size = comm.get_world_size(dp_group)
@@ -84,7 +75,10 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
                                                       precision.param_dtype)
         self._init_sub_groups()
         self.param_swapper = self._swap_out_partitions()
-        self._init_gradient_hooks()
+        self.gradients = Stage3GradientReducer(
+            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self._offloaded,
+            precision=precision, dp_group=dp_group, reduce_bucket_numel=self.reduce_bucket_size,
+            overlap_comm=self.overlap_comm, sink=self.sink, leaf_param_ids=self.parameter_offload.leaf_param_ids)
 
     # --- setup --------------------------------------------------------------------------------
     def _init_sub_groups(self) -> None:
@@ -92,7 +86,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         self.lp_flat: list[torch.Tensor] = []
         self.fp32_flat: list[torch.nn.Parameter] = []
         self.grad_flat: list[torch.Tensor] = []
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, GradientSlot] = {}
         self._group_ranges: list[range] = []    # each param group's sub-group indices
         groups = self.optimizer.param_groups
         trainable = [[p for p in group["params"] if p.requires_grad] for group in groups]
@@ -133,7 +127,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         for param in params:
             size = param.partition_numel()
             set_partition(param, lp.narrow(0, offset, size))
-            self._slots[id(param)] = _Slot(index, offset)
+            self._slots[id(param)] = GradientSlot(index, offset)
             offset += size
         offloaded = self._offloaded(index)
         if offloaded:  # a stand-in: OffloadStates holds the real master
@@ -206,22 +200,20 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
             self.offload.partitions[index] = stand_in
 
 
-    # --- the step -----------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
-        self._finish_reductions()
-        grads, device = self.grad_flat, self._comm_device
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group,
-                                                                         comm_device=device)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self.zero_grad()
-            return
-        scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True, comm_device=device)
-        self._global_grad_norm = scaled_norm / self.loss_scale
-        divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
-        self._step_on_device(grads[:self.num_on_device], 1.0 / divisor)
+    # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        self.gradients.end_backward()
+        self.parameter_offload.partition_all_parameters()
+
+    def _step_gradients(self) -> StepGradients:
+        self.gradients.finish()
+        self.parameter_offload.partition_all_parameters()
+        return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        self._step_on_device(grads[:self.num_on_device], multiplier)
         if self.offload is not None:
-            self.offload.step(grads[self.num_on_device:], 1.0 / divisor)
+            self.offload.step(grads[self.num_on_device:], multiplier)
         self._publish_masters()
 
     def _step_on_device(self, grads: list[torch.Tensor], multiplier: float) -> None:
