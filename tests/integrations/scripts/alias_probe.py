@@ -19,9 +19,9 @@ out = {"spec_before": spec_before is not None, "is_zerospeed": deepspeed is zero
        "metadata_name": importlib.metadata.metadata("deepspeed")["Name"]}
 
 # Every deepspeed.X.Y is the module object zerospeed.X.Y: imported once, patches land on ours.
-import deepspeed.runtime.engine
-import deepspeed.runtime.zero.partition_parameters as pp
-import zerospeed.runtime.engine
+import deepspeed.runtime.engine  # noqa: E402 - after the alias import above, on purpose
+import deepspeed.runtime.zero.partition_parameters as pp  # noqa: E402
+import zerospeed.runtime.engine  # noqa: E402
 
 out["same_engine_module"] = deepspeed.runtime.engine is zerospeed.runtime.engine
 out["same_class"] = deepspeed.runtime.engine.DeepSpeedEngine is zerospeed.runtime.engine.DeepSpeedEngine
