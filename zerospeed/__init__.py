@@ -38,9 +38,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     dist = comm
     config = _resolve_config_source(args, config if config is not None else config_params)
     _refuse_unimplemented_parallelism(config, mpu)
-    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    engine_class = DeepSpeedEngine
+    from zerospeed.runtime.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):  # DeepSpeed's rule: a PipelineModule gets the pipelined engine
+        from zerospeed.runtime.pipe.engine import PipelineEngine
+
+        engine_class, mpu = PipelineEngine, model.mpu()
+    engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
     from zerospeed.runtime.activation_checkpointing.checkpointing import configure_from_ds_config
 
     configure_from_ds_config(engine._config, mpu)

@@ -67,14 +67,17 @@ class OwnedSlice:
 
 class GradReducer:
     def __init__(self, group: Any, settings: PrecisionSettings, use_reduce_scatter: bool,
-                 overlap_comm: bool, sink: HostGradientSink | None = None) -> None:
+                 overlap_comm: bool, sink: HostGradientSink | None = None,
+                 average_world_size: int | None = None) -> None:
         self.group = group
         self.sink = sink                  # offload: destinations are host buffers, written through it
         self.dp_rank = comm.get_rank(group)
         self.world_size = comm.get_world_size(group)
         self.use_reduce_scatter = use_reduce_scatter
         self.overlap_comm = overlap_comm
-        self.before, self.after = averaging_factors(settings, self.world_size)
+        # Expert gradients: summed over the expert-data-parallel group, averaged over the data-parallel
+        # world ([Note: expert gradient reduction] in runtime/expert_gradients.py).
+        self.before, self.after = averaging_factors(settings, average_world_size or self.world_size)
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
 
     def reduce(self, rows: torch.Tensor, dest: torch.Tensor) -> None:
