@@ -11,8 +11,8 @@ EITHER = "Either train_batch_size or train_micro_batch_size_per_gpu needs to be 
 
 
 def _mismatch(tbs: int, mbs: int, gas: int, world: int) -> str:
-    return ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
-            f"gradient_acc_step * world_size {tbs} != {mbs} * {gas} * {world}")
+    return f"on world_size {world} cannot satisfy train_batch_size = train_micro_batch_size_per_gpu * " \
+           f"gradient_accumulation_steps * world_size (derived: {tbs} != {mbs} * {gas} * {world})"
 
 
 # (train_batch_size, micro_batch, grad_acc, world_size) -> (tbs, mbs, gas)
@@ -54,17 +54,19 @@ FAILING = [
     ((30, None, None, 4), _mismatch(30, 7, 1, 4)),
     ((20, 2, None, 4), _mismatch(20, 2, 2, 4)),
     ((18, None, 2, 4), _mismatch(18, 2, 2, 4)),
-    # a derived value of 0
-    ((1, None, None, 2), "Micro batch size per gpu: 0 has to be greater than 0"),
-    ((6, None, 4, 2), "Micro batch size per gpu: 0 has to be greater than 0"),
-    ((8, 8, None, 2), "Gradient accumulation steps: 0 has to be greater than 0"),
-    ((8, 4, None, 4), "Gradient accumulation steps: 0 has to be greater than 0"),
-    # a given value <= 0
-    ((0, 2, None, 1), "Train batch size: 0 has to be greater than 0"),
-    ((-8, 2, None, 1), "Train batch size: -8 has to be greater than 0"),
-    ((8, 0, None, 1), "Micro batch size per gpu: 0 has to be greater than 0"),
-    ((8, None, 0, 2), "Gradient accumulation steps: 0 has to be greater than 0"),
-    ((None, -1, 2, 1), "Micro batch size per gpu: -1 has to be greater than 0"),
+    # a derived value of 0: the values as given and the world size, not the derived 0 (DeepSpeed's message)
+    ((1, None, None, 2), "train_batch_size 1, train_micro_batch_size_per_gpu not set, "
+                         "gradient_accumulation_steps not set on world_size 2"),
+    ((6, None, 4, 2), _mismatch(6, 0, 4, 2)),
+    ((8, 8, None, 2), _mismatch(8, 8, 0, 2)),
+    ((3, 2, None, 2), "train_batch_size 3, train_micro_batch_size_per_gpu 2, gradient_accumulation_steps not set "
+                      "on world_size 2 cannot satisfy"),
+    # a given value <= 0: the key path
+    ((0, 2, None, 1), "train_batch_size: 0 has to be greater than 0"),
+    ((-8, 2, None, 1), "train_batch_size: -8 has to be greater than 0"),
+    ((8, 0, None, 1), "train_micro_batch_size_per_gpu: 0 has to be greater than 0"),
+    ((8, None, 0, 2), "gradient_accumulation_steps: 0 has to be greater than 0"),
+    ((None, -1, 2, 1), "train_micro_batch_size_per_gpu: -1 has to be greater than 0"),
     # not enough given
     ((None, None, 4, 1), EITHER),
     ((None, None, None, 2), EITHER),
@@ -84,7 +86,7 @@ def test_failing(given, message):
 
 
 def test_mismatch_names_where_the_world_size_came_from():
-    with pytest.raises(ConfigError, match=r"16 != 1 \* 1 \* 1 \(world_size 1 from torch.distributed not initialized\)"):
+    with pytest.raises(ConfigError, match=r"on world_size 1 \(from torch.distributed not initialized\).*16 != 1 \* 1 \* 1"):
         DeepSpeedConfig({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
 
 

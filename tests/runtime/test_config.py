@@ -296,9 +296,23 @@ def test_base64():
     assert DeepSpeedConfig(encoded).train_batch_size == 4
 
 
-def test_bad_config_argument():
-    with pytest.raises(ValueError, match="Expected a string path to an existing deepspeed config, or a dictionary"):
-        DeepSpeedConfig("/no/such/file.json")
+@pytest.mark.parametrize(("given", "message"), [
+    ("/no/such/file.json", "ds_config file not found: '/no/such/file.json'"),
+    ("ds_config.json", "ds_config file not found: 'ds_config.json' (working directory"),
+    ("", "the ds_config path is an empty string"),
+    (None, "no ds_config was given (config=None)"),
+    (3, "a ds_config cannot be a int"),
+    ("not-base64!", "'not-base64!' is neither an existing file nor base64-encoded JSON"),
+])
+def test_bad_config_argument_says_what_it_received(given, message):
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedConfig(given)
+    assert message in str(info.value)
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        DeepSpeedConfig(str(tmp_path))
 
 
 def test_dict_is_not_mutated():

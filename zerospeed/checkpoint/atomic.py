@@ -10,9 +10,18 @@ A kill at any point leaves `latest` naming a complete, verified directory: befor
 files are only in the temporary directory; between the two renames of step 3 the previous
 version sits in `.<tag>.old`, which `resolve_tag_dir` falls back to.
 
+[Note: the last good copy]
+Two invariants make every window of step 3 safe, including a kill during a save that follows a
+killed one. (a) `<tag>` only ever appears by renaming a finished temporary directory, so when it
+exists it is complete, and any `.<tag>.old` beside it is stale. (b) `.<tag>.old` is deleted only
+while `<tag>` exists. So a save whose `<tag>` is missing (the previous save of this tag died
+between the renames) keeps `.<tag>.old` untouched until the new `<tag>` is in place; a kill at any
+moment leaves `<tag>` or `.<tag>.old` complete.
+
 Tests kill the saving process for real: ZEROSPEED_CHECKPOINT_CRASH_AT=<point>[@<rank>] makes
 `crash_point(<point>)` SIGKILL the process (points: after_mkdir, mid_file, after_files,
-before_rename, between_renames, after_rename, before_latest, after_latest).
+before_rename, after_clear_old, between_renames, before_move_in, after_rename, before_latest,
+after_latest). tests/checkpoint/test_crash_safety.py also kills every rank at random moments.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from zerospeed.checkpoint.deepspeed_compat import save_with_deepspeed_names
 from zerospeed.checkpoint.layout import LATEST
 from zerospeed.checkpoint.manifest import file_entry, merge_manifest_parts, write_manifest_part
 
-__all__ = ["CheckpointTransaction", "crash_point", "resolve_tag_dir", "write_text_durably", "CRASH_ENV"]
+__all__ = ["CheckpointTransaction", "crash_point", "read_latest", "resolve_tag_dir", "write_text_durably",
+           "CRASH_ENV"]
 
 CRASH_ENV = "ZEROSPEED_CHECKPOINT_CRASH_AT"
 
@@ -60,6 +70,29 @@ def write_text_durably(path: str, text: str) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_latest(load_dir: str) -> str | None:
+    """The tag `<load_dir>/latest` names, None when there is no such file.
+
+    A `latest` that is not a short line of text (binary junk, a truncated write by another tool)
+    is a CheckpointIntegrityError naming the file, like every other damaged checkpoint file.
+    """
+    from zerospeed.checkpoint.manifest import CheckpointIntegrityError
+
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as handle:
+            tag = handle.read(4097).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointIntegrityError(f"checkpoint file {path} is unreadable: {error}") from error
+    if not tag or len(tag) > 4096 or not tag.isprintable():
+        shown = tag[:80] + ("..." if len(tag) > 80 else "")
+        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupt: it should hold one tag name, "
+                                       f"it holds {shown!r}")
+    return tag
 
 
 def resolve_tag_dir(load_dir: str, tag: str) -> str:
@@ -119,12 +152,17 @@ class CheckpointTransaction:
         comm.barrier(self.group)
 
     def _rename_into_place(self) -> None:
+        """See [Note: the last good copy] for why each step may be killed."""
         crash_point("before_rename")
         old = os.path.join(self.save_dir, f".{self.tag}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(self.final_dir):
+        if os.path.isdir(self.final_dir):
+            shutil.rmtree(old, ignore_errors=True)  # stale: `<tag>` is complete (invariant a)
+            crash_point("after_clear_old")
             os.rename(self.final_dir, old)
+            fsync_dir(self.save_dir)
             crash_point("between_renames")
+        # else `.<tag>.old`, if any, is the last good copy of this tag: it stays until the next line.
+        crash_point("before_move_in")
         os.rename(self.tmp_dir, self.final_dir)
         fsync_dir(self.save_dir)
         shutil.rmtree(old, ignore_errors=True)

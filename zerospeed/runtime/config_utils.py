@@ -35,6 +35,7 @@ __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedConfigModel",
     "Deprecated",
+    "model_in",
     "parse_dtype",
     "suggest_key",
     "validate_section",
@@ -151,9 +152,14 @@ def suggest_key(key: str, valid_keys: Iterable[str]) -> str:
 
 
 def validate_section(model_cls: type[ModelT], data: Any, path: str = "") -> ModelT:
-    """Validate `data` as `model_cls`; any problem becomes one `ConfigError` listing every key path."""
+    """Validate `data` as `model_cls`; any problem becomes one `ConfigError` listing every key path.
+
+    The key rules of config_keys (unknown keys, dotted keys, strings for numbers) run first."""
+    from zerospeed.runtime.config_keys import prepare_tree
+
+    data = prepare_tree(model_cls, {} if data is None else data, path)
     try:
-        return model_cls.model_validate({} if data is None else data)
+        return model_cls.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(model_cls, error, path) for error in exc.errors()]
         raise ConfigError("Invalid DeepSpeed config:\n  " + "\n  ".join(lines)) from None
@@ -201,7 +207,7 @@ def _model_at(model_cls: type[BaseModel], loc: list[str]) -> type[BaseModel] | N
         field = next((f for n, f in current.model_fields.items() if part in _spellings(n, f)), None)
         if field is None:
             return None
-        current = _model_in(field.annotation)
+        current = model_in(field.annotation)
     return current
 
 
@@ -212,13 +218,13 @@ def _spellings(name: str, field: Any) -> set[str]:
     return names
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType, typing.Annotated):
         for arg in typing.get_args(annotation):
-            found = _model_in(arg)
+            found = model_in(arg)
             if found is not None:
                 return found
     return None

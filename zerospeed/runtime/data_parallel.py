@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
-from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
+from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
+from zerospeed.runtime.grad_utils import any_non_finite, scale_
 from zerospeed.runtime.precision import PrecisionSettings
 
 
@@ -32,14 +33,14 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, reduce_bucket_size: int) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
-        self.precision = precision
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.dp_group = dp_group
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
-        self._reducer = OverlappedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._has_experts = self._reducer.has_experts
         self._reduce_in_backward = False
         for index, param in enumerate(self._lp_params):
             param.register_post_accumulate_grad_hook(self._grad_hook(index))
@@ -108,21 +109,22 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         else:
             self._lp_params[index].grad = grad
 
-    # --- the step -----------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
-        grads = self._gradients()
-        # Gradients are already all-reduced, so every rank sees the same overflow: no collective.
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, reduce=False)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self.zero_grad()
-            return
-        scaled_norm = global_norm(grads)
-        self._global_grad_norm = scaled_norm / self.loss_scale
-        divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
+    # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def _step_gradients(self) -> StepGradients:
+        return StepGradients(self._gradients())
+
+    def _has_overflow(self, grads: StepGradients) -> bool:
+        # Gradients are already all-reduced, so every rank sees the same overflow: no collective,
+        # unless expert gradients (which differ between expert-parallel ranks) are among them.
+        return any_non_finite(grads.tensors, group=self.dp_group, reduce=self._has_experts)
+
+    def _scaled_global_norm(self, grads: StepGradients) -> float:
+        return grouped_norm(expert_norm_groups(self._lp_params, grads.tensors))
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         for master, grad in zip(self._masters, grads):
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
-        scale_([m.grad for m in self._masters], 1.0 / divisor)
+        scale_([m.grad for m in self._masters], multiplier)
         self.optimizer.step()
         if self.precision.low_precision:
             self._copy_masters_to_params()

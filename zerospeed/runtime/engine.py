@@ -16,10 +16,13 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.comm import groups
 from zerospeed.runtime.config import DeepSpeedConfig
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
+from zerospeed.runtime.engine_client_api import EngineClientAPI
+from zerospeed.runtime.engine_moe import broadcast_expert_params, check_moe_supported, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
     build_lr_scheduler,
@@ -31,7 +34,7 @@ from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -39,9 +42,10 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
         self._init_counters()
-        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else comm.get_world_group()
+        self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
+        self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
         self._apply_log_level()
         self.precision = PrecisionSettings.from_config(self._config)
@@ -56,6 +60,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         self.lr_scheduler: Any = None
         if optimizer is not None or self._config.optimizer_name is not None:
             self._init_optimizer(optimizer, model_parameters)
+            self._link_fragment_owner()
             self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
             self._report_progress(0)
         self._init_monitoring()
@@ -91,7 +96,10 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
                 if param.is_floating_point() and not hasattr(param, "ds_id"):
                     param.data = param.data.to(self.precision.param_dtype)
         model.to(self.device)
+        self._moe = setup_moe(model, self._config.use_data_before_expert_parallel_)
         broadcast_module_from_rank0(model, self.dp_group)
+        if self._moe.has_moe_layers:
+            broadcast_expert_params(model)
         self.param_names = {param: name for name, param in model.named_parameters()}
 
     def _init_dataloader(self, training_data: Any, collate_fn: Any) -> DeepSpeedDataLoader | None:
@@ -111,6 +119,11 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
             data_parallel_rank=comm.get_rank(self.dp_group), dataloader_drop_last=self._config.dataloader_drop_last)
 
     def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
+        if self._moe.has_moe_layers:
+            check_moe_supported(self._config)
+            if client_optimizer is None:  # DeepSpeed splits expert params into their own groups itself
+                model_parameters = moe_model_parameters(model_parameters if model_parameters is not None
+                                                        else self.module.parameters())
         self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
                                                          model_parameters)
         self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,

@@ -78,9 +78,6 @@ class EngineAccessors:
     def dataloader_drop_last(self) -> bool:
         return self._config.dataloader_drop_last
 
-    def config(self) -> Any:
-        return self._config
-
     # --- optimizer state --------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -97,3 +94,20 @@ class EngineAccessors:
 
     def get_loss_scale(self) -> float:
         return self.optimizer.cur_scale
+
+    # --- Mixture of Experts (engine_moe.py) -------------------------------------------------------
+    @property
+    def has_moe_layers(self) -> bool:
+        return self._moe.has_moe_layers
+
+    @property
+    def num_experts(self) -> list[int]:
+        return self._moe.num_experts
+
+    @property
+    def moe_layers(self) -> list[Any]:
+        return self._moe.moe_layers
+
+    @property
+    def gate_modules(self) -> list[Any]:
+        return self._moe.gate_modules

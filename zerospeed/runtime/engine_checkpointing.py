@@ -16,12 +16,13 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint.atomic import CheckpointTransaction, resolve_tag_dir
+from zerospeed.checkpoint import moe_checkpoint
+from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
 from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -42,7 +43,13 @@ class EngineCheckpointing:
         transaction = CheckpointTransaction(save_dir, tag, self.dp_group).begin()
         if stage >= 3 or dp_rank == 0:
             model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
+            if self.has_moe_layers:
+                moe_checkpoint.strip_expert_states(self, model_states, C.MODULE)
             transaction.write(model_states_name(stage, dp_rank), to_plain(model_states))
+        if self.has_moe_layers:
+            optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(self, stage0_optimizer_entry(self)) \
+                if stage == 0 and self.optimizer is not None else None
+            moe_checkpoint.save_moe_files(self, transaction, to_plain(optimizer_entry))
         if stage >= 1:
             transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
                 C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
@@ -70,14 +77,17 @@ class EngineCheckpointing:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+            if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
+                logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
+                               "nothing was loaded")
+                return None, None
+            tag = read_latest(load_dir)  # a damaged `latest` raises, naming the file
+            if tag is None:
+                latest = os.path.join(load_dir, LATEST)
                 logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint "
                                "please ensure this file exists or pass an explicit checkpoint tag when loading "
                                "a checkpoint.")
                 return None, None
-            with open(latest) as handle:
-                tag = handle.read().strip()
         tag_dir = resolve_tag_dir(load_dir, str(tag))
         if not os.path.isdir(tag_dir):
             raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
@@ -86,6 +96,8 @@ class EngineCheckpointing:
         if not verify_files(tag_dir, [os.path.basename(model_path)]):
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
+        if self.has_moe_layers:  # [Note: MoE checkpoint layout]
+            model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)
         loaded_optimizer = loaded_scheduler = False
         if load_module_only:
@@ -94,7 +106,10 @@ class EngineCheckpointing:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
             if self.optimizer is not None:
-                load_optimizer_state(self, saved, model_state, load_optimizer_states)
+                if self.has_moe_layers and load_optimizer_states:
+                    moe_checkpoint.load_moe_optimizer(self, tag_dir, model_state, load_file)
+                else:
+                    load_optimizer_state(self, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self.dp_group)
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)

@@ -15,12 +15,14 @@ from zerospeed.runtime.optimizer_factory import build_basic_optimizer
 def broadcast_module_from_rank0(module: torch.nn.Module, group: Any) -> None:
     """Every rank starts from the source rank's parameters and buffers (DeepSpeed broadcasts params).
 
-    Parameters already partitioned by zero.Init (they have a `ds_id`) were made consistent when
+    Expert parameters (`allreduce=False`) are skipped. Parameters already partitioned by zero.Init (they have a `ds_id`) were made consistent when
     they were partitioned; they are skipped."""
     if comm.get_world_size(group) == 1:
         return
     source = comm.get_global_rank(group, 0)
-    replicated = [p for p in module.parameters() if not hasattr(p, "ds_id")] + list(module.buffers())
+    # Expert parameters differ between expert-parallel ranks; engine_moe broadcasts them in their groups.
+    replicated = [p for p in module.parameters() if not hasattr(p, "ds_id") and getattr(p, "allreduce", True)] \
+        + list(module.buffers())
     for tensor in replicated:
         comm.broadcast(tensor.data, src=source, group=group)
 

@@ -56,14 +56,17 @@ class _Launched:
 
 
 class OverlappedAllReduce:
-    def __init__(self, params: list[torch.Tensor], bucket_numel: int, group: Any, settings: PrecisionSettings) -> None:
+    def __init__(self, params: list[torch.Tensor], bucket_numel: int, group: Any, settings: PrecisionSettings,
+                 average_world_size: int | None = None) -> None:
         bucket_numel = max(1, min(int(bucket_numel), MAX_OVERLAP_BUCKET_NUMEL))
         dtypes = [settings.grad_accum_dtype] * len(params)
         self.buckets = plan_buckets([p.numel() for p in params], dtypes, bucket_numel)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self.group = group
         self.comm_dtype = settings.communication_dtype
-        self.before, self.after = averaging_factors(settings, comm.get_world_size(group))
+        # Expert gradients are summed over a smaller group but averaged over the data-parallel world
+        # ([Note: expert gradient reduction] in expert_gradients.py).
+        self.before, self.after = averaging_factors(settings, average_world_size or comm.get_world_size(group))
         self._reset()
 
     def _reset(self) -> None:

@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
-           "load_state_dict_from_zero_checkpoint"]
+           "load_state_dict_from_zero_checkpoint", "get_model_state_file", "get_model_state_files",
+           "get_optim_files"]
 
 _MANIFEST = "zs_manifest.json"
 _ALLOW_PICKLE_ENV = "ZEROSPEED_CHECKPOINT_ALLOW_PICKLE"
@@ -111,8 +112,13 @@ def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
         latest = os.path.join(checkpoint_dir, "latest")
         if not os.path.isfile(latest):
             raise ValueError(f"Unable to find 'latest' file at {latest}")
-        with open(latest) as handle:
-            tag = handle.read().strip()
+        try:  # binary junk in `latest` is a damaged file: name it
+            with open(latest, "rb") as handle:
+                tag = handle.read(4097).decode("utf-8").strip()
+        except UnicodeDecodeError as error:
+            raise ValueError(f"checkpoint file {latest} is unreadable: {error}") from error
+        if not tag or not tag.isprintable():
+            raise ValueError(f"checkpoint file {latest} is corrupt: it should hold one tag name, it holds {tag[:80]!r}")
     tag_dir = os.path.join(checkpoint_dir, tag)
     moved_aside = os.path.join(checkpoint_dir, f".{tag}.old")  # a save of the same tag was killed mid-rename
     if not os.path.isdir(tag_dir) and os.path.isdir(moved_aside):
@@ -415,6 +421,34 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
+
+
+def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
+    """The tag directory's model-states file that carries the client state (Lightning reads it)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if int(zero_stage) == 3 else "mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
+def _files_matching(checkpoint_dir: str, pattern: str) -> list[str]:
+    found = sorted(glob.glob(os.path.join(checkpoint_dir, pattern)), key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    """Every rank's `*_optim_states.pt` in the tag directory, in rank order."""
+    return _files_matching(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str) -> list[str]:
+    """Every `*_model_states.pt` in the tag directory, in rank order."""
+    return _files_matching(checkpoint_dir, "*_model_states.pt")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """zero.Init, GatheredParameters, external parameters, save_16bit_model and the partitioned-use error."""
 
+import json
 import os
 import sys
 
@@ -144,3 +145,94 @@ def test_save_16bit_model(tmp_path, gather):
         for key, value in expected.items():
             assert torch.equal(state[key], value), key
         assert state["lm_head.weight"].data_ptr() == state["wte.weight"].data_ptr()  # tied stays tied
+
+
+# --- zero.Init with a config (issue 14 item 2) --------------------------------------------------------
+
+_HF_AUTO_CONFIG = {  # what transformers hands zero.Init before it fills the hidden-size values
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"}}
+
+
+def _config_arg(form, tmp_dir):
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 3}}
+    if form == "dict":
+        return config
+    if form == "auto":
+        return _HF_AUTO_CONFIG
+    path = os.path.join(tmp_dir, f"ds_config.{form}")
+    with open(path, "w") as handle:
+        if form == "json":
+            json.dump(config, handle)
+        else:  # hjson: comments and unquoted keys, as DeepSpeed reads it
+            handle.write("{\n  // a comment\n  train_batch_size: 4\n  zero_optimization: {stage: 3}\n}\n")
+    return path
+
+
+def _built_with_config(form, tmp_dir):
+    with zerospeed.zero.Init(config_dict_or_path=_config_arg(form, tmp_dir)):
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
+    return [(p.numel(), p.ds_numel, tuple(p.ds_shape), p.ds_tensor.numel(), p.ds_persist, p.dtype)
+            for p in model.parameters()]
+
+
+@pytest.mark.parametrize("form", ["dict", "json", "hjson", "auto"])
+def test_zero_init_with_a_config_partitions_every_parameter(form, tmp_path):
+    for rank_result in run_on_ranks(_built_with_config, 2, form, str(tmp_path)):
+        shapes = [(3, 5), (3,), (3,), (3,)]
+        for (local, ds_numel, ds_shape, part, persist, dtype), shape in zip(rank_result, shapes):
+            numel = int(torch.Size(shape).numel())
+            assert (local, ds_numel, ds_shape, part) == (0, numel, shape, -(-numel // 2))
+            assert not persist and dtype == torch.float32  # the threshold applies at initialize
+
+
+def _gathered_write_after_initialize(modifier_rank):
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)  # 10 elements: persistent under the default threshold
+    config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    assert model.weight.ds_persist and model.weight.numel() == 8
+    with zerospeed.zero.GatheredParameters([model.weight, model.bias], modifier_rank=modifier_rank):
+        with torch.no_grad():
+            model.weight.fill_(float(torch.distributed.get_rank() + 3))
+    status = model.weight.ds_status.name
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        if modifier_rank == 0:
+            reference.weight.fill_(3.0)
+        expected = reference(x)
+    return engine(x).detach(), expected, status
+
+
+@pytest.mark.parametrize("modifier_rank", [None, 0])
+def test_gathered_parameters_writes_on_persistent_params_follow_modifier_rank(modifier_rank):
+    """Discarded without modifier_rank (DeepSpeed partitions persistent params on exit too), kept with it."""
+    for output, expected, status in run_on_ranks(_gathered_write_after_initialize, 2, modifier_rank):
+        assert status == "NOT_AVAILABLE"
+        assert torch.equal(output, expected)
+
+
+def _ignored_option_warnings():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with zerospeed.zero.Init(pin_memory=True, mem_efficient_linear=False, zero_quantized_weights=True):
+                torch.nn.Linear(2, 2)
+        with zerospeed.zero.Init():  # defaults: nothing ignored worth saying
+            torch.nn.Linear(2, 2)
+    return [str(w.message) for w in caught if "zero.Init" in str(w.message)]
+
+
+def test_zero_init_warns_once_for_each_ignored_option():
+    messages = run_on_ranks(_ignored_option_warnings, 1)[0]
+    assert len(messages) == 3, messages
+    for name in ("pin_memory", "mem_efficient_linear", "zero_quantized_weights"):
+        assert sum(name in m and "ignored" in m for m in messages) == 1

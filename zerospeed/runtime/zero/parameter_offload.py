@@ -41,6 +41,7 @@ from zerospeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     release_params,
 )
+from zerospeed.runtime.zero.offload_client_hooks import OffloadClientHooks
 from zerospeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
 __all__ = ["DeepSpeedZeRoOffload", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
@@ -105,7 +106,7 @@ class _BackwardHook(torch.autograd.Function):
         return (None, *grads)
 
 
-class DeepSpeedZeRoOffload:
+class DeepSpeedZeRoOffload(OffloadClientHooks):
     """Partitions a module's parameters (if not done by zero.Init) and hooks it to the coordinator."""
 
     def __init__(self, module: torch.nn.Module, zero_config: Any, dp_group: Any,
@@ -125,7 +126,7 @@ class DeepSpeedZeRoOffload:
         self._fwd_stack: list[torch.nn.Module] = []
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
-        self._install_hooks(module)
+        self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
         self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)  # type: ignore[union-attr]
                                for p in m.parameters() if is_zero_param(p)}
         for param in self.params:
@@ -145,16 +146,13 @@ class DeepSpeedZeRoOffload:
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:
         total = 0
-        newly = []
         for param in sorted(self.params, key=lambda p: p.zs_state.ds_id):
             state = param.zs_state
             persist = state.numel <= threshold and total + state.numel <= model_threshold
-            if persist:
-                total += state.numel
-                if not state.persist:
-                    newly.append(param)
+            total += state.numel if persist else 0
             set_persist(param, persist)
-        gather_params(newly).wait()
+        # Applied here, at initialize, as DeepSpeed does; zero.Init partitioned every parameter.
+        gather_params([p for p in self.params if p.zs_state.persist]).wait()
         # Persisted at Init but not under this config: drop the full data.
         release_params([p for p in self.params if not p.zs_state.persist])
 

@@ -1,5 +1,6 @@
-"""Partitioning parameters: conversion, the gather / release primitives, `zero.Init`,
-`GatheredParameters` and external parameters (reference §5.1).
+"""Partitioning parameters: conversion, the gather / release primitives, `GatheredParameters`
+and external parameters (DeepSpeed's runtime/zero/partition_parameters.py; `zero.Init` is in
+zero_init.py and re-exported here).
 
 Invariants
 - Every rank converts the same parameters in the same order, so `ds_id`s agree across ranks and
@@ -12,14 +13,14 @@ Invariants
 
 from __future__ import annotations
 
-import functools
 import itertools
-from collections.abc import Iterable, Iterator
-from typing import Any, Self
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator  # noqa: F401 - at DeepSpeed's path (transformers reads it)
 from zerospeed.runtime.zero.param_state import (
     ZeroParameter,
     ZeroParamState,
@@ -29,6 +30,10 @@ from zerospeed.runtime.zero.param_state import (
     partition_numel,
     rank_span,
     set_status,
+)
+from zerospeed.runtime.zero.tensor_constructors import (  # noqa: F401 - DeepSpeed's names, read by transformers
+    _orig_torch_arange,
+    zero_wrapper_for_fp_tensor_constructor,
 )
 
 __all__ = ["GatherHandle", "GatheredParameters", "Init", "convert_to_zero_param", "gather_params",
@@ -223,9 +228,12 @@ def external_parameters(module: torch.nn.Module) -> list[ZeroParameter]:
 class GatheredParameters:
     """Gather `params` for the body of a `with`; with `modifier_rank`, that rank's edits are kept.
 
-    On exit with `modifier_rank` set, each parameter is broadcast from that rank and every rank
-    re-partitions from the broadcast data, so the edit is visible, partitioned, everywhere. With
-    `modifier_rank=None` edits are discarded (the partitions are unchanged).
+    On exit every parameter goes back to its partition, persistent ones included (DeepSpeed's
+    `GatheredParameters.__exit__` partitions all of them; the next use re-gathers). With
+    `modifier_rank` set, each parameter is first broadcast from that rank and every rank stores its
+    slice of the broadcast data, so the edit is visible, partitioned, everywhere. With
+    `modifier_rank=None` edits are discarded: the partitions are unchanged. A parameter a module is
+    computing with at this moment (gathered by the coordinator during forward) stays gathered.
     """
 
     def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
@@ -237,7 +245,6 @@ class GatheredParameters:
         self.enabled = enabled and bool(self.params)
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
-        self._gathered: list[ZeroParameter] = []
 
     def __enter__(self) -> None:
         if not self.enabled:
@@ -245,178 +252,29 @@ class GatheredParameters:
         if self.fwd_module is not None:
             for param in self.params:
                 register_external_parameter(self.fwd_module, param)
-        self._gathered = [p for p in self.params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE]
         for param in self.params:
             if param.zs_state.status is ZeroParamStatus.INFLIGHT:
                 raise RuntimeError(f"GatheredParameters: {param.zs_state.describe()} is being gathered "
                                    "by the coordinator; nested use during forward is not supported")
-        gather_params(self._gathered).wait()
+        gather_params([p for p in self.params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE]).wait()
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         if self.modifier_rank is not None:
             self._publish_from(self.modifier_rank)
-        release_params(self._gathered, has_been_updated=self.modifier_rank is not None)
+        for param in self.params:
+            if param.zs_state.status is ZeroParamStatus.AVAILABLE and not param.zs_state.active_sub_modules:
+                _drop_data(param)
 
     @torch.no_grad()
     def _publish_from(self, modifier_rank: int) -> None:
-        gathered_ids = {id(p) for p in self._gathered}
         for param in self.params:
             state = param.zs_state
             if state.world_size > 1:
                 comm.broadcast(param.data, src=comm.get_global_rank(state.group, modifier_rank),
                                group=state.group)
-            if id(param) in gathered_ids:
-                continue
-            # Already gathered before we entered (e.g. persistent): refresh the partition, keep data.
             store_partition(state, param.data)
-
-
-# --- zero.Init ---------------------------------------------------------------------------------------
-
-def _all_module_classes() -> Iterator[type]:
-    seen: set[type] = set()
-    pending = [torch.nn.Module]
-    while pending:
-        cls = pending.pop()
-        for sub in cls.__subclasses__():
-            if sub not in seen:
-                seen.add(sub)
-                pending.append(sub)
-                yield sub
-
-
-class Init:
-    """`with zero.Init(): model = Model()` builds `model` already partitioned.
-
-    Every `nn.Module` subclass's `__init__` is wrapped while the context is active; when the
-    outermost `__init__` of a module object returns, its direct parameters are broadcast from rank 0
-    of the group and partitioned. A module's parameters therefore exist whole only while that module
-    is being constructed: no rank ever holds the full model. `module=` partitions an existing model.
-    `peak_full_numel` records the most full-parameter elements alive at any post-init point (tests).
-    """
-
-    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
-                 mem_efficient_linear: bool = True, remote_device: Any = None, pin_memory: bool = False,
-                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
-                 dtype: torch.dtype | None = None, mpu: Any = None, **_: Any) -> None:
-        self.enabled = enabled
-        self.group = data_parallel_group if data_parallel_group is not None else (
-            mpu.get_data_parallel_group() if mpu is not None else None)
-        self.dtype = dtype
-        self.device = _target_device(remote_device)
-        self.persistence_threshold = _persistence_threshold(config_dict_or_path or config)
-        self._patched: dict[type, Any] = {}
-        self._live_full: dict[int, int] = {}
-        self.peak_full_numel = 0
-        if module is not None and enabled:
-            self._ensure_dist()
-            for child in module.modules():
-                self._partition_module(child)
-
-    def _ensure_dist(self) -> None:
-        if not comm.is_initialized():
-            comm.init_distributed()
-        if self.group is None:
-            self.group = comm.get_world_group()
-
-    def __enter__(self) -> Self:
-        if not self.enabled:
-            return self
-        self._ensure_dist()
-        for cls in _all_module_classes():
-            if "__init__" in cls.__dict__:
-                self._patch(cls)
-        self._patch_init_subclass()
-        return self
-
-    def _patch_init_subclass(self) -> None:
-        """Classes defined inside the context get their __init__ wrapped as well."""
-        original = torch.nn.Module.__dict__.get("__init_subclass__")
-        self._original_init_subclass = original
-        init_ctx = self
-
-        def init_subclass(cls: type, **kwargs: Any) -> None:
-            if original is not None:
-                original.__func__(cls, **kwargs)
-            else:
-                super(torch.nn.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
-            if "__init__" in cls.__dict__:
-                init_ctx._patch(cls)
-
-        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.enabled:
-            return
-        if self._original_init_subclass is None:
-            del torch.nn.Module.__init_subclass__
-        else:
-            torch.nn.Module.__init_subclass__ = self._original_init_subclass  # type: ignore[assignment]
-        for cls, original in self._patched.items():
-            cls.__init__ = original  # type: ignore[misc]
-        self._patched.clear()
-
-    def _patch(self, cls: type) -> None:
-        if cls in self._patched:
-            return
-        original = cls.__dict__["__init__"]
-        self._patched[cls] = original
-        init_ctx = self
-
-        @functools.wraps(original)
-        def wrapped(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-            depth = module.__dict__.get("_zs_init_depth", 0)
-            module.__dict__["_zs_init_depth"] = depth + 1
-            try:
-                original(module, *args, **kwargs)
-            finally:
-                module.__dict__["_zs_init_depth"] = depth
-            if depth == 0:
-                del module.__dict__["_zs_init_depth"]
-                init_ctx._partition_module(module)
-
-        cls.__init__ = wrapped  # type: ignore[misc]
-
-    @torch.no_grad()
-    def _partition_module(self, module: torch.nn.Module) -> None:
-        full_now = sum(p.numel() for p in module.parameters(recurse=False) if not is_zero_param(p))
-        self.peak_full_numel = max(self.peak_full_numel, sum(self._live_full.values()) + full_now)
-        for name, param in list(module._parameters.items()):
-            if param is None or is_zero_param(param):
-                continue
-            if self.dtype is not None and param.is_floating_point():
-                param.data = param.data.to(self.dtype)
-            param.data = param.data.to(self.device)  # partitions live on the accelerator (or remote_device)
-            persist = param.numel() <= self.persistence_threshold
-            convert_to_zero_param(param, self.group, name=f"{type(module).__name__}.{name}", persist=persist)
-            if persist:
-                self._live_full[param.zs_state.ds_id] = param.numel()  # type: ignore[union-attr]
-
-
-def _target_device(remote_device: Any) -> torch.device:
-    if remote_device is not None and str(remote_device) not in ("none", "OffloadDeviceEnum.none"):
-        return torch.device("cpu")  # cpu / nvme offload: partitions stay in host memory
-    from zerospeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-def _persistence_threshold(config: Any) -> int:
-    """zero.Init keeps params of at most `param_persistence_threshold` elements whole (0: none)."""
-    if config is None:
-        return 0
-    if isinstance(config, str):
-        import json
-
-        with open(config) as handle:
-            config = json.load(handle)
-    if isinstance(config, dict):
-        zero = config.get("zero_optimization", {}) or {}
-        return int(zero.get("param_persistence_threshold", zero.get("stage3_param_persistence_threshold", 100_000)))
-    zero = getattr(config, "zero_config", None)
-    return int(getattr(zero, "param_persistence_threshold", 0)) if zero is not None else 0
 
 
 # --- consolidation (save_16bit_model) ----------------------------------------------------------------
@@ -446,3 +304,7 @@ def consolidated_16bit_state_dict(module: torch.nn.Module, exclude_frozen_parame
                 if buffer is not None and name not in child._non_persistent_buffers_set:
                     state[prefix + name] = buffer.detach().cpu().clone()
     return state if is_source else None
+
+
+# DeepSpeed's path for zero.Init (deepspeed.runtime.zero.partition_parameters.Init); it lives in zero_init.py.
+from zerospeed.runtime.zero.zero_init import Init  # noqa: E402

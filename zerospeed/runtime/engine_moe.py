@@ -1,0 +1,81 @@
+"""What `DeepSpeedEngine.__init__` does for Mixture-of-Experts layers (DeepSpeed's engine MoE steps).
+
+1. Find the MoE layers and give each its expert-parallel group (`set_deepspeed_parallelism`, which
+   creates the "ep_size_<n>" groups once per size from `zerospeed.utils.groups`), honouring
+   `use_data_before_expert_parallelism`.
+2. Broadcast expert parameters within their expert-data-parallel group (from its first rank), the
+   other parameters as usual from data-parallel rank 0: the ranks of one expert-parallel group hold
+   *different* experts, which a data-parallel broadcast would overwrite.
+3. With a config optimizer, split the expert parameters into their own param groups
+   (`moe.utils.configure_moe_param_groups`), as DeepSpeed's engine does.
+Gradient reduction and the norm are in expert_gradients.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+
+__all__ = ["MoEInfo", "broadcast_expert_params", "check_moe_supported", "moe_model_parameters", "setup_moe"]
+
+
+@dataclasses.dataclass
+class MoEInfo:
+    num_experts: list[int] = dataclasses.field(default_factory=list)
+    moe_layers: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+    gate_modules: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+    @property
+    def has_moe_layers(self) -> bool:
+        return bool(self.num_experts)
+
+
+def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = False) -> MoEInfo:
+    """Find MoE layers and create / attach their expert-parallel groups (step 1)."""
+    from zerospeed.moe.layer import MoE
+    from zerospeed.moe.sharded_moe import MOELayer, TopKGate
+
+    info = MoEInfo()
+    for child in module.modules():
+        if isinstance(child, MoE):
+            info.num_experts.append(child.num_experts)
+        elif isinstance(child, MOELayer):
+            info.moe_layers.append(child)
+        elif isinstance(child, TopKGate):
+            info.gate_modules.append(child)
+    for child in module.modules():
+        if hasattr(child, "set_deepspeed_parallelism"):
+            child.set_deepspeed_parallelism(use_data_before_expert_parallel)
+    return info
+
+
+@torch.no_grad()
+def broadcast_expert_params(module: torch.nn.Module) -> None:
+    """Each expert parameter from the first rank of its expert-data-parallel group (step 2)."""
+    from zerospeed.moe.utils import is_moe_param
+    from zerospeed.utils import groups
+
+    for param in module.parameters():
+        if is_moe_param(param) and not hasattr(param, "ds_id"):
+            group = groups._get_expert_data_parallel_group(param.group_name)
+            if comm.get_world_size(group) > 1:
+                source = groups._get_expert_data_parallel_group_ranks(param.group_name)[0]
+                comm.broadcast(param.data, src=source, group=group)
+
+
+def moe_model_parameters(model_parameters: Any) -> list[dict[str, Any]]:
+    """The config optimizer's params with expert parameters in their own groups (step 3)."""
+    from zerospeed.moe.utils import configure_moe_param_groups
+
+    return configure_moe_param_groups(list(model_parameters))
+
+
+def check_moe_supported(config: Any) -> None:
+    stage = config.zero_optimization_stage
+    if stage > 2:
+        raise ValueError(f"zero_optimization.stage={stage}: zerospeed runs MoE layers with ZeRO stages 0, 1 and 2 "
+                         "so far; set zero_optimization.stage to 2 or lower")

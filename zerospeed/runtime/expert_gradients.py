@@ -1,0 +1,119 @@
+"""Where each gradient is reduced when the model has Mixture-of-Experts layers.
+
+[Note: expert gradient reduction]
+An ordinary parameter is replicated on every data-parallel rank: its gradient is averaged over
+the data-parallel group (W ranks). An expert parameter (`allreduce=False`, `group_name`
+"ep_size_<n>") lives only on the ranks of its expert-data-parallel group (W / n ranks, one per
+expert-parallel group), and the all-to-all's backward has already summed into it the gradients
+of the tokens every rank of its expert-parallel group sent it. Summing over the expert-data-
+parallel group therefore adds up all W ranks' contributions, and dividing by W — not by the
+expert-data-parallel size — gives the gradient of the mean loss, as for every other parameter.
+That is DeepSpeed's scaling (`_reduce_expert_gradients`: all-reduce over the expert-data-parallel
+group, average with the data-parallel world size).
+
+[Note: norm with experts]
+The global gradient norm counts every distinct parameter once. Ordinary gradients are the same on
+every rank (stage 0), expert gradients differ between the ranks of an expert-parallel group and
+repeat across its expert-data-parallel group: so the squares of the expert gradients are summed
+over the expert-parallel group (one copy of each expert), those of the rest stay local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
+from zerospeed.runtime.precision import PrecisionSettings
+
+__all__ = ["GroupedAllReduce", "expert_group_name", "reduction_plan"]
+
+DENSE = ""  # reduction key of ordinary parameters
+
+
+def expert_group_name(param: torch.Tensor) -> str:
+    """The expert group of an expert parameter, DENSE for any other."""
+    if getattr(param, "allreduce", True) is False:
+        return str(param.group_name)
+    return DENSE
+
+
+def reduction_plan(params: list[torch.Tensor]) -> dict[str, list[int]]:
+    """Parameter indices by reduction key: DENSE first, then the expert groups in sorted order (the same
+    order on every rank, so collectives on each group are issued in the same order everywhere)."""
+    plan: dict[str, list[int]] = {}
+    for index, param in enumerate(params):
+        plan.setdefault(expert_group_name(param), []).append(index)
+    return {key: plan[key] for key in sorted(plan)}
+
+
+def _reduction_group(key: str, dp_group: Any) -> Any:
+    if key == DENSE:
+        return dp_group
+    from zerospeed.utils import groups
+
+    return groups._get_expert_data_parallel_group(key)
+
+
+class GroupedAllReduce:
+    """Stage 0's overlapped all-reduce, one `OverlappedAllReduce` per reduction group
+    ([Note: expert gradient reduction]); without experts it is exactly one over the dp group."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_numel: int, dp_group: Any,
+                 settings: PrecisionSettings) -> None:
+        dp_world_size = comm.get_world_size(dp_group)
+        self.members = list(reduction_plan(params).items())
+        self.reducers = [OverlappedAllReduce([params[i] for i in indices], bucket_numel,
+                                             _reduction_group(key, dp_group), settings,
+                                             average_world_size=dp_world_size)
+                         for key, indices in self.members]
+        self._slot = {index: (r, local) for r, (_, indices) in enumerate(self.members)
+                      for local, index in enumerate(indices)}
+
+    @property
+    def has_experts(self) -> bool:
+        return any(key != DENSE for key, _ in self.members)
+
+    def _local(self, reducer: int, grad_of: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        indices = self.members[reducer][1]
+        return lambda local: grad_of(indices[local])
+
+    def mark_ready(self, index: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+        reducer, local = self._slot[index]
+        self.reducers[reducer].mark_ready(local, self._local(reducer, grad_of))
+
+    def finish(self, grad_of: Callable[[int], torch.Tensor]) -> None:
+        for reducer_index, reducer in enumerate(self.reducers):
+            reducer.finish(self._local(reducer_index, grad_of))
+
+
+def expert_norm_groups(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Any]]:
+    """[(gradients, group their squares are summed over)] for the norm ([Note: norm with experts]):
+    ordinary gradients with group None (local), each expert group's with its expert-parallel group."""
+    parts = []
+    for key, indices in reduction_plan(params).items():
+        group = None
+        if key != DENSE:
+            from zerospeed.utils import groups
+
+            group = groups._get_expert_parallel_group(key)
+        parts.append(([grads[i] for i in indices], group))
+    return parts
+
+
+def grouped_norm(parts: list[tuple[list[torch.Tensor], Any]]) -> float:
+    """sqrt of the sum over parts of their squares, each part's sum reduced over its group (None: local)."""
+    import math
+
+    from zerospeed.runtime.grad_utils import sum_of_squares
+
+    total = 0.0
+    for tensors, group in parts:
+        squares = sum_of_squares(tensors).reshape(1)
+        if group is not None and comm.get_world_size(group) > 1:
+            comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=group)
+        total += float(squares.item())
+    return math.sqrt(total)
