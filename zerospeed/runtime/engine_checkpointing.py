@@ -107,7 +107,9 @@ class EngineCheckpointing:
             self._load_counters(model_state)
             if self.optimizer is not None:
                 if self.has_moe_layers and load_optimizer_states:
-                    moe_checkpoint.load_moe_optimizer(self, tag_dir, model_state, load_file)
+                    moe_checkpoint.check_optimizer_topology(self, tag_dir, model_state)
+                if self.has_moe_layers and load_optimizer_states and self.zero_optimization_stage() == 0:
+                    moe_checkpoint.load_moe_optimizer(self, tag_dir, load_file)
                 else:
                     load_optimizer_state(self, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
