@@ -135,8 +135,10 @@ def load_moe_optimizer(engine: Any, tag_dir: str, load: Any) -> None:
 
     path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
     saved = load(path)["optimizer"]
-    if "optimizer_state_dict" in saved:   # ours: the low-precision wrapper's state
-        engine.optimizer.load_state_dict(saved, load_optimizer_states=True)
+    if "optimizer_state_dict" in saved:   # low precision: DeepSpeed's unfused wrapper shape (deepspeed_format.py)
+        from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
+
+        engine.optimizer.load_state_dict(stage0_wrapper_state(engine, saved), load_optimizer_states=True)
         return
     engine.optimizer.optimizer.load_state_dict(saved)   # DeepSpeed's fp32 layout: the torch optimizer's
     engine.optimizer.refresh_fp32_params()
