@@ -35,13 +35,15 @@ class MoEModel(torch.nn.Module):
                        drop_policy="position" if k == 1 else None)
         self.head = torch.nn.Linear(D_MODEL, D_OUT)
 
+    @torch.no_grad()
     def set_expert_weights(self, ep_rank: int) -> None:
-        """Expert i of this rank gets weights drawn from its global id (distinct experts)."""
+        """Expert i of this rank gets weights drawn from its global id (distinct experts); in place, since
+        at ZeRO 1/2 the parameters are views of the flat buffers."""
         local = self.moe.num_local_experts
         for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
             generator = torch.Generator().manual_seed(100 + ep_rank * local + i)
             for param in expert.parameters():
-                param.data = torch.randn(param.shape, generator=generator) * 0.5
+                param.data.copy_(torch.randn(param.shape, generator=generator) * 0.5)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.inp(x))
@@ -120,11 +122,12 @@ def _check(results: list[dict], expected: dict, world_size: int, gas: int) -> No
     assert covered == set(expected["params"]), "every expert is held by some rank"
 
 
-@pytest.mark.parametrize("world_size,ep_size,k,drop_tokens,gas", [
-    (2, 2, 1, True, 1), (2, 2, 2, False, 2), (4, 2, 2, True, 1), (4, 4, 1, False, 1)])
+@pytest.mark.parametrize("world_size,ep_size,k,drop_tokens,gas,stage", [
+    (2, 2, 1, True, 1, 0), (2, 2, 2, False, 2, 0), (4, 2, 2, True, 1, 0), (4, 4, 1, False, 1, 0),
+    (2, 2, 2, True, 2, 1), (4, 2, 1, True, 1, 1), (2, 2, 1, False, 1, 2), (4, 2, 2, True, 2, 2)])
 def test_moe_training_equals_dense_single_process(world_size: int, ep_size: int, k: int, drop_tokens: bool,
-                                                  gas: int) -> None:
-    results = run_on_ranks(_train, world_size, ep_size, k, drop_tokens, gas, 0)
+                                                  gas: int, stage: int) -> None:
+    results = run_on_ranks(_train, world_size, ep_size, k, drop_tokens, gas, stage)
     _check(results, _reference(world_size, k, drop_tokens, gas), world_size, gas)
 
 
@@ -138,5 +141,16 @@ def _unsupported_stage(stage: int) -> None:
 
 def test_unsupported_zero_stage_is_a_clear_error() -> None:
     run_on_ranks(_unsupported_stage, 2, 3)
+
+
+def _unsplit_client_optimizer() -> None:
+    model = MoEModel(2, 1, True)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ValueError, match="not marked as MoE"):
+        zerospeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+
+
+def test_zero_needs_moe_param_groups() -> None:
+    run_on_ranks(_unsplit_client_optimizer, 2)
 
 

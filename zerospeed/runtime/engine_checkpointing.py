@@ -16,11 +16,13 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
+from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
 from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -41,12 +43,18 @@ class EngineCheckpointing:
         transaction = CheckpointTransaction(save_dir, tag, self.dp_group).begin()
         if stage >= 3 or dp_rank == 0:
             model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
+            if self.has_moe_layers:
+                moe_checkpoint.strip_expert_states(self, model_states, C.MODULE)
             transaction.write(model_states_name(stage, dp_rank), to_plain(model_states))
+        if self.has_moe_layers:
+            optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(self, stage0_optimizer_entry(self)) \
+                if stage == 0 and self.optimizer is not None else None
+            moe_checkpoint.save_moe_files(self, transaction, to_plain(optimizer_entry))
         if stage >= 1:
             transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
-                C.OPTIMIZER_STATE_DICT: to_plain(self.optimizer.state_dict()),
+                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
                 C.DS_CONFIG: self._config._param_dict,
-                C.DS_VERSION: model_states_version()})
+                C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
         return True
 
@@ -88,6 +96,8 @@ class EngineCheckpointing:
         if not verify_files(tag_dir, [os.path.basename(model_path)]):
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
+        if self.has_moe_layers:  # [Note: MoE checkpoint layout]
+            model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)
         loaded_optimizer = loaded_scheduler = False
         if load_module_only:
@@ -96,7 +106,12 @@ class EngineCheckpointing:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
             if self.optimizer is not None:
-                load_optimizer_state(self, saved, model_state, load_optimizer_states)
+                if self.has_moe_layers and load_optimizer_states:
+                    moe_checkpoint.check_optimizer_topology(self, tag_dir, model_state)
+                if self.has_moe_layers and load_optimizer_states and self.zero_optimization_stage() == 0:
+                    moe_checkpoint.load_moe_optimizer(self, tag_dir, load_file)
+                else:
+                    load_optimizer_state(self, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self.dp_group)
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
@@ -166,8 +181,3 @@ def zero_to_fp32_source() -> str:
 
     return zero_to_fp32.__file__
 
-
-def model_states_version() -> str:
-    from zerospeed.version import __version__
-
-    return __version__

@@ -48,10 +48,12 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.config_utils import warn_config
+from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.host_grads import HostGradientSink
@@ -85,6 +87,9 @@ class _FlatGroup:
     grads: torch.Tensor                 # stage 1: full flat; stage 2: this rank's partition
     partition_grad: torch.Tensor        # what the step reads ([Note: offloaded gradients])
     padding: int                        # padded elements inside this rank's partition
+    process_group: Any                  # partitioned and reduced over ([Note: MoE param groups])
+    dp_rank: int                        # this rank's index in process_group
+    world_size: int                     # partitions: process_group's size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,18 +137,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
                  param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
         self.sink = None if offload is None else HostGradientSink(_offload_pin_memory(zero_config))
         # [Note: offloaded gradients] host gradients: the step's scalar collectives run here.
         self._comm_device = None if offload is None else torch.device(get_accelerator().current_device_name())
-        self.precision = precision
         self.settings = _ZeroSettings.from_config(zero_config)
         _warn_ignored(zero_config)
         self.dp_process_group = dp_group
         self.dp_rank = comm.get_rank(dp_group)
         self.dp_world_size = comm.get_world_size(dp_group)
         self.partition_gradients = partition_grads
+        self.supports_no_sync = not partition_grads
         self.zero_stage = 2 if partition_grads else 1
         self.groups = [self._init_group(index, group, param_names)
                        for index, group in enumerate(init_optimizer.param_groups)]
@@ -154,21 +159,23 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def _init_group(self, group_index: int, group: dict[str, Any],
                     param_names: dict[torch.nn.Parameter, str]) -> _FlatGroup:
         params = [p for p in group["params"] if p.requires_grad]
+        process_group = self._partition_group(group_index, group, params)
+        world_size, dp_rank = comm.get_world_size(process_group), comm.get_rank(process_group)
         if self.settings.round_robin_gradients:
-            params = [params[i] for i in round_robin_order(len(params), self.dp_world_size)]
+            params = [params[i] for i in round_robin_order(len(params), world_size)]
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise TypeError(f"ZeRO param group {group_index} mixes dtypes {sorted(map(str, dtypes))}; "
                             "cast the model to one dtype first")
         dtype = dtypes.pop() if dtypes else self.precision.param_dtype
         device = params[0].device if params else torch.device("cpu")
-        layout = build_layout([p.numel() for p in params], self.dp_world_size)
+        layout = build_layout([p.numel() for p in params], world_size)
         lp_flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         for param, offset in zip(params, layout.param_offsets):
             view = lp_flat.narrow(0, offset, param.numel())
             view.copy_(param.data.reshape(-1))
             param.data = view.view_as(param)
-        start, part_numel = layout.partition_start(self.dp_rank), layout.partition_numel
+        start, part_numel = layout.partition_start(dp_rank), layout.partition_numel
         lp_partition = lp_flat.narrow(0, start, part_numel)
         # [Note: fp32 master sharing]
         if self.offload is not None:
@@ -177,13 +184,35 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         else:
             master = lp_partition if dtype == _MASTER_DTYPE else lp_partition.to(_MASTER_DTYPE).clone()
             group["params"] = [master]
-        grads, partition_grad = self._init_grad_buffers(layout, device)
+        grads, partition_grad = self._init_grad_buffers(layout, device, dp_rank)
         names = [param_names.get(p, f"group{group_index}.param{i}") for i, p in enumerate(params)]
-        slabs = plan_slabs(part_numel, self.dp_world_size, self.settings.reduce_bucket_size)
+        slabs = plan_slabs(part_numel, world_size, self.settings.reduce_bucket_size)
         return _FlatGroup(params, names, layout, slabs, lp_flat, lp_partition, master, grads,
-                          partition_grad, layout.padding_in_partition(self.dp_rank))
+                          partition_grad, layout.padding_in_partition(dp_rank), process_group, dp_rank, world_size)
 
-    def _init_grad_buffers(self, layout: GroupLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _partition_group(self, group_index: int, group: dict[str, Any], params: list[torch.nn.Parameter]) -> Any:
+        """[Note: MoE param groups] DeepSpeed's MoE param groups (`moe: True`, named after their expert
+        group) are partitioned and reduced over that expert-data-parallel group, every other group over
+        the data-parallel group. Expert gradients are still averaged over the data-parallel world, and
+        the norm needs no change: the partitions of all ranks together hold every expert once."""
+        experts = [expert_group_name(p) != DENSE for p in params]
+        if not group.get("moe", False):
+            if any(experts):
+                raise ValueError(f"The model has moe layers, but param group {group_index} holds expert parameters "
+                                 "and is not marked as MoE: build the optimizer's groups with "
+                                 "zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer, "
+                                 "or use an optimizer from the config")
+            return self.dp_process_group
+        if not all(experts):
+            raise ValueError(f"param group {group_index} is marked moe but holds non-expert parameters")
+        if self.offload is not None:
+            raise ValueError("offload_optimizer with MoE param groups is not supported yet")
+        from zerospeed.utils import groups
+
+        return groups._get_expert_data_parallel_group(group["name"])
+
+    def _init_grad_buffers(self, layout: GroupLayout, device: torch.device,
+                           dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the buffer gradients accumulate in, the partition of them the step reads)."""
         dtype, part_numel = self.precision.grad_accum_dtype, layout.partition_numel
         if self.partition_gradients:
@@ -193,17 +222,29 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         grads = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         if self.sink is not None:   # [Note: offloaded gradients]
             return grads, self.sink.host_buffer(part_numel, dtype)
-        return grads, grads.narrow(0, layout.partition_start(self.dp_rank), part_numel)
+        return grads, grads.narrow(0, layout.partition_start(dp_rank), part_numel)
 
     def _init_reduction(self) -> None:
-        self.reducer = GradReducer(self.dp_process_group, self.precision, self.settings.reduce_scatter,
-                                   self.settings.overlap_comm, self.sink)
-        # Stage 2 reduces from every backward's hooks; stage 1 with overlap_comm from the boundary
-        # micro-batch's hooks (the reduced slices then replace its partition of the flat buffer).
-        self.buckets = GradientBuckets(
-            [g.layout for g in self.groups], [g.partition_grad for g in self.groups], self.reducer,
-            self.precision.communication_dtype, self.settings.reduce_bucket_size,
-            self.settings.contiguous_gradients, accumulate=self.partition_gradients)
+        # One reducer and bucket set per process group the param groups are partitioned over: the
+        # data-parallel group, plus one per expert group ([Note: MoE param groups]).
+        self._bucket_sets: list[GradientBuckets] = []
+        self._bucket_slot = [(0, 0)] * len(self.groups)   # param group -> (bucket set, index in it)
+        members: dict[int, list[int]] = {}
+        for index, group in enumerate(self.groups):
+            members.setdefault(id(group.process_group), []).append(index)
+        for set_index, indices in enumerate(members.values()):
+            reducer = GradReducer(self.groups[indices[0]].process_group, self.precision, self.settings.reduce_scatter,
+                                  self.settings.overlap_comm, self.sink, average_world_size=self.dp_world_size)
+            # Stage 2 reduces from every backward's hooks; stage 1 with overlap_comm from the boundary
+            # micro-batch's hooks (the reduced slices then replace its partition of the flat buffer).
+            self._bucket_sets.append(GradientBuckets(
+                [self.groups[i].layout for i in indices], [self.groups[i].partition_grad for i in indices], reducer,
+                self.precision.communication_dtype, self.settings.reduce_bucket_size,
+                self.settings.contiguous_gradients, accumulate=self.partition_gradients))
+            for local, index in enumerate(indices):
+                self._bucket_slot[index] = (set_index, local)
+        self.buckets = self._bucket_sets[0] if self._bucket_sets else None
+        self.reducer = self.buckets.reducer if self.buckets is not None else None
         self._reduce_in_backward = False
         self._param_slot = {param: (gi, pi) for gi, g in enumerate(self.groups)
                             for pi, param in enumerate(g.params)}
@@ -222,22 +263,30 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if grad is None:
             return
         if self.partition_gradients:
-            self.buckets.add_grad(group_index, param_index, grad)
+            self._add_to_bucket(group_index, param_index, grad)
         else:
             group = self.groups[group_index]
             accumulated = group.grads.narrow(0, group.layout.param_offsets[param_index], param.numel())
             accumulated.add_(grad.reshape(-1))
             if self._reduce_in_backward:
-                self.buckets.add_grad(group_index, param_index, accumulated)
+                self._add_to_bucket(group_index, param_index, accumulated)
         param.grad = None
         self._unreduced = True
+
+    def _add_to_bucket(self, group_index: int, param_index: int, grad: torch.Tensor) -> None:
+        bucket_set, local = self._bucket_slot[group_index]
+        self._bucket_sets[bucket_set].add_grad(local, param_index, grad)
+
+    def _flush_buckets(self) -> None:
+        for buckets in self._bucket_sets:
+            buckets.flush()
 
     def prepare_backward(self, will_reduce: bool) -> None:
         self._reduce_in_backward = will_reduce and self.settings.overlap_comm and not self.partition_gradients
 
     def backward_epilogue(self, is_boundary: bool) -> None:
         if self.partition_gradients:
-            self.buckets.flush()          # stage 2 reduces every micro-batch
+            self._flush_buckets()         # stage 2 reduces every micro-batch
             self._unreduced = False
         elif is_boundary and self._reduce_in_backward:
             self._finish_reduce_in_backward()
@@ -251,42 +300,35 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         did not fire a hook in this backward; reduce them now, in flat order, then wait."""
         for group_index, group in enumerate(self.groups):
             for param_index, param in enumerate(group.params):
-                if not self.buckets.has_arrived(group_index, param_index):
+                bucket_set, local = self._bucket_slot[group_index]
+                if not self._bucket_sets[bucket_set].has_arrived(local, param_index):
                     offset = group.layout.param_offsets[param_index]
-                    self.buckets.add_grad(group_index, param_index, group.grads.narrow(0, offset, param.numel()))
-        self.buckets.flush()
+                    self._add_to_bucket(group_index, param_index, group.grads.narrow(0, offset, param.numel()))
+        self._flush_buckets()
         self._reduce_in_backward = False
         self._unreduced = False
 
     def _reduce_full_gradients(self) -> None:
-        for group in self.groups:
-            reduce_flat_gradients(group.grads, group.layout, group.slabs, self.reducer,
+        for index, group in enumerate(self.groups):
+            reducer = self._bucket_sets[self._bucket_slot[index][0]].reducer
+            reduce_flat_gradients(group.grads, group.layout, group.slabs, reducer,
                                   self.precision.communication_dtype, group.partition_grad)
         self._unreduced = False
 
-    # --- step -------------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
+    # --- step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def _step_gradients(self) -> StepGradients:
         if self._unreduced:
             self.backward_epilogue(is_boundary=True)
-        grads = [g.partition_grad for g in self.groups]
-        scale, device = self.loss_scaler.cur_scale, self._comm_device
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_process_group,
-                                                                         comm_device=device)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self._global_grad_norm = None
-            self.zero_grad()
-            return
-        scaled_norm = global_norm(grads, group=self.dp_process_group, partitioned=True, comm_device=device)
-        self._global_grad_norm = scaled_norm / scale
-        combined = unscale_and_clip_factor(scaled_norm, scale, self.clip_grad)
+        return StepGradients([g.partition_grad for g in self.groups], self.dp_process_group, self._comm_device)
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         if self.offload is not None:
-            self.offload.step(grads, 1.0 / combined)
+            self.offload.step(grads, multiplier)
             self._publish_params()
             return
         for group, grad in zip(self.groups, grads):
             group.master.grad = grad if grad.dtype == group.master.dtype else grad.to(group.master.dtype)
-        scale_([g.master.grad for g in self.groups], 1.0 / combined)
+        scale_([g.master.grad for g in self.groups], multiplier)
         self.optimizer.step()
         for group in self.groups:
             group.master.grad = None
@@ -300,18 +342,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self._all_gather_group(group)
 
     def _all_gather_group(self, group: _FlatGroup) -> None:
-        world_size, part_numel = self.dp_world_size, group.layout.partition_numel
+        world_size, part_numel = group.world_size, group.layout.partition_numel
         rows = group.lp_flat.view(world_size, part_numel)
         for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
             # No copy of the shard: a whole-partition gather is in place (its input is this rank's
             # row of the output), which NCCL documents and torch's gloo backend does through its
             # own staging buffer; a chunked one gathers into a separate buffer.
-            shard = rows[self.dp_rank].narrow(0, offset, numel)
+            shard = rows[group.dp_rank].narrow(0, offset, numel)
             if numel == part_numel:
-                comm.all_gather_into_tensor(group.lp_flat, shard, group=self.dp_process_group)
+                comm.all_gather_into_tensor(group.lp_flat, shard, group=group.process_group)
                 continue
             gathered = torch.empty(world_size, numel, dtype=shard.dtype, device=shard.device)
-            comm.all_gather_into_tensor(gathered.view(-1), shard, group=self.dp_process_group)
+            comm.all_gather_into_tensor(gathered.view(-1), shard, group=group.process_group)
             rows.narrow(1, offset, numel).copy_(gathered)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -328,6 +370,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     @property
     def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
         return [g.params for g in self.groups]
+
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return self.bit16_groups
+
+    def refresh_fp32_params(self) -> None:
+        """The fp32 masters from the (just loaded) lp partitions, then every rank's flat buffer."""
+        for index, group in enumerate(self.groups):
+            if self.offload is not None:
+                self.offload.load_master_partition(index, group.lp_partition.detach().to("cpu", _MASTER_DTYPE))
+            elif group.master.data_ptr() != group.lp_partition.data_ptr():
+                group.master.copy_(group.lp_partition)
+        self._publish_params()
 
     @property
     def bit16_groups_flat(self) -> list[torch.Tensor]:
@@ -370,7 +424,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 for i, g in enumerate(self.groups)],
             "zero_stage": self.zero_stage,
             "group_paddings": [g.padding for g in self.groups],
-            "partition_count": [self.dp_world_size for _ in self.groups],
+            "partition_count": [g.world_size for g in self.groups],
             "ds_version": __version__,
             "param_slice_mappings": [self._slice_mappings(g) for g in self.groups],
             "param_alignment_paddings": [[0] * len(g.params) for g in self.groups],
@@ -383,7 +437,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     def _slice_mappings(self, group: _FlatGroup) -> dict[str, dict[str, int]]:
         return {group.names[f.param_index]: {"numel": f.numel, "start": f.partition_start}
-                for f in group.layout.fragments(self.dp_rank)}
+                for f in group.layout.fragments(group.dp_rank)}
 
     def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
         self._check_loadable(state_dict)
@@ -413,7 +467,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if "ds_version" not in state_dict:
             raise ValueError("ZeRO optimizer state has no 'ds_version': not a ZeRO 1/2 optimizer state dict")
         saved_counts = list(state_dict["partition_count"])
-        if saved_counts != [self.dp_world_size] * len(self.groups):
+        if saved_counts != [g.world_size for g in self.groups]:
             raise ValueError(f"ZeRO optimizer state was saved with partition_count {saved_counts}; this run "
                              f"has {len(self.groups)} group(s) on {self.dp_world_size} data-parallel ranks. "
                              "Re-partitioning is done by the checkpoint loader, not load_state_dict.")

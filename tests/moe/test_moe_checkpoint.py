@@ -1,0 +1,115 @@
+"""MoE checkpoints ([Note: MoE checkpoint layout]): DeepSpeed's file layout, a bit-for-bit resume, and
+loading the expert weights at a different expert-parallel size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from distributed import run_on_ranks
+from test_moe_engine import MICRO, MoEModel, _batches, _shard
+
+import zerospeed
+from zerospeed.checkpoint.manifest import load_file
+
+STEPS = 2
+
+
+def _engine(ep_size: int, stage: int = 0) -> tuple:
+    from zerospeed.utils import groups
+
+    model = MoEModel(ep_size, k=2, drop_tokens=True)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    model.set_expert_weights(groups._get_expert_parallel_rank(model.moe.expert_group_name))
+    if stage == 0:
+        engine.optimizer.refresh_fp32_params()
+    return engine, model
+
+
+def _train(engine: object, batches: list, rank: int, world_size: int) -> list[float]:
+    losses = []
+    for batch in batches:
+        loss = engine(*_shard(batch, 0, rank, world_size))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _global_params(model: MoEModel) -> dict[str, torch.Tensor]:
+    """Parameters with local expert indices renamed to global ids."""
+    from zerospeed.utils import groups
+
+    ep_rank = groups._get_expert_parallel_rank(model.moe.expert_group_name)
+    named = {}
+    for name, param in model.named_parameters():
+        if "deepspeed_experts." in name:
+            head, tail = name.split("deepspeed_experts.")
+            local, rest = tail.split(".", 1)
+            name = f"{head}deepspeed_experts.{ep_rank * model.moe.num_local_experts + int(local)}.{rest}"
+        named[name] = param.detach().clone()
+    return named
+
+
+def _save_then_resume(save_dir: str, ep_size: int, stage: int) -> dict:
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batches = _batches(world_size, 1)
+    engine, model = _engine(ep_size, stage)
+    _train(engine, batches[:1], rank, world_size)
+    engine.save_checkpoint(save_dir, tag="t")
+    continued = _train(engine, batches[1:], rank, world_size)
+    expected = _global_params(model)
+    engine, model = _engine(ep_size, stage)
+    engine.load_checkpoint(save_dir, tag="t")
+    resumed = _train(engine, batches[1:], rank, world_size)
+    return {"continued": continued, "resumed": resumed, "expected": expected, "got": _global_params(model)}
+
+
+@pytest.mark.parametrize("world_size,ep_size,stage", [(2, 2, 0), (4, 2, 0), (4, 2, 2)])
+def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int, stage: int,
+                                                   tmp_path: object) -> None:
+    results = run_on_ranks(_save_then_resume, world_size, str(tmp_path), ep_size, stage)
+    for result in results:
+        assert result["continued"] == result["resumed"]
+        for name, value in result["expected"].items():
+            assert torch.equal(result["got"][name], value), name
+    tag_dir = os.path.join(str(tmp_path), "t")
+    files = set(os.listdir(tag_dir))
+    expected_files = {f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)}
+    expected_files |= {f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep_size)} if stage == 0 else \
+        {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)}
+    assert expected_files <= files, sorted(files)
+    model_states = load_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    assert not [k for k in model_states["module"] if "deepspeed_experts" in k]
+    assert "moe.deepspeed_moe.gate.wg.weight" in model_states["module"] and model_states["num_experts"] == [4]
+    expert_3 = load_file(os.path.join(tag_dir, "layer_0_expert_3_mp_rank_00_model_states.pt"))
+    assert sorted(expert_3) == [f"moe.deepspeed_moe.experts.deepspeed_experts.3.{n}"
+                                for n in ("0.bias", "0.weight", "2.bias", "2.weight")]
+
+
+def _save(save_dir: str, ep_size: int) -> dict:
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    engine, model = _engine(ep_size)
+    _train(engine, _batches(world_size, 1)[:1], rank, world_size)
+    engine.save_checkpoint(save_dir, tag="t")
+    return _global_params(model)
+
+
+def _load_at(save_dir: str, ep_size: int, load_optimizer_states: bool) -> dict:
+    engine, model = _engine(ep_size)
+    engine.load_checkpoint(save_dir, tag="t", load_optimizer_states=load_optimizer_states)
+    return _global_params(model)
+
+
+def test_expert_weights_load_at_another_expert_parallel_size(tmp_path: object) -> None:
+    saved = run_on_ranks(_save, 2, str(tmp_path), 2)
+    expected = {**saved[0], **saved[1]}
+    for result in run_on_ranks(_load_at, 2, str(tmp_path), 1, False):  # ep 1: every rank holds all 4 experts
+        assert result.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(result[name], value), name
+    with pytest.raises(Exception, match="load_optimizer_states=False"):
+        run_on_ranks(_load_at, 2, str(tmp_path), 1, True)

@@ -1,0 +1,150 @@
+"""Checkpoint files of Mixture-of-Experts models, in DeepSpeed's layout.
+
+[Note: MoE checkpoint layout]
+Besides the usual files, a checkpoint of a model with `MoE` layers holds
+    <tag>/layer_<l>_expert_<e>_mp_rank_00_model_states.pt   one per MoE layer l and *global* expert e
+    <tag>/expp_rank_<r>_mp_rank_00_optim_states.pt          stage 0: {"optimizer": state} per expert-parallel rank
+                                                             (fp32: the torch optimizer's state dict, as DeepSpeed)
+Layer l counts the `MoE` modules in `named_modules()` order. An expert file holds that expert's
+entries of the module state dict under their full names, with the local expert index replaced by
+the global one (`...deepspeed_experts.<e>.weight`), and is written by the ranks whose
+expert-data-parallel rank is 0. The model-states file holds every other entry (gate included) and
+`num_experts`. Because experts are named by global id, a checkpoint loads at any expert-parallel
+size: each rank reads the files of the experts it now holds (`expert_states_for_rank`). The
+optimizer files are per expert-parallel rank, so optimizer state needs the saved ep size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["check_optimizer_topology", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
+           "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
+
+_LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
+EP_SIZES_KEY = "zs_moe_ep_sizes"  # ours, in the model-states file: {expert group name: ep size} at save
+
+
+def expert_file_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
+    return f"layer_{layer_id}_expert_{expert_id}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_file_name(ep_rank: int, mp_rank: int = 0) -> str:
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def moe_modules(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(name, MoE module) in named_modules order: index = the checkpoint's layer id."""
+    from zerospeed.moe.layer import MoE
+
+    return [(name, child) for name, child in module.named_modules() if isinstance(child, MoE)]
+
+
+def split_expert_states(module: torch.nn.Module, state_dict: dict[str, Any], ep_rank_of: Any) -> tuple[
+        dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]:
+    """(state dict without expert entries, {file name: (expert group, that expert's entries under global
+    ids)})."""
+    rest = dict(state_dict)
+    files: dict[str, tuple[str, dict[str, Any]]] = {}
+    for layer_id, (name, moe) in enumerate(moe_modules(module)):
+        base = (f"{name}." if name else "") + _LOCAL[1:]
+        first_global = ep_rank_of(moe.expert_group_name) * moe.num_local_experts
+        for key in [k for k in rest if k.startswith(base)]:
+            local_id, tail = key[len(base):].split(".", 1)
+            global_id = first_global + int(local_id)
+            entries = files.setdefault(expert_file_name(layer_id, global_id), (moe.expert_group_name, {}))[1]
+            entries[f"{base}{global_id}.{tail}"] = rest.pop(key).detach().clone()
+    return rest, files
+
+
+def expert_states_for_rank(module: torch.nn.Module, tag_dir: str, ep_rank_of: Any, load: Any) -> dict[str, Any]:
+    """This rank's expert entries, under local names, read from the global-id files."""
+    states: dict[str, Any] = {}
+    for layer_id, (name, moe) in enumerate(moe_modules(module)):
+        base = (f"{name}." if name else "") + _LOCAL[1:]
+        for local_id in range(moe.num_local_experts):
+            global_id = ep_rank_of(moe.expert_group_name) * moe.num_local_experts + local_id
+            path = os.path.join(tag_dir, expert_file_name(layer_id, global_id))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"MoE checkpoint file {path} is missing: layer {layer_id} has no expert "
+                                        f"{global_id} (the checkpoint holds fewer experts than this model)")
+            for key, tensor in load(path).items():
+                states[key.replace(f"{base}{global_id}.", f"{base}{local_id}.", 1)] = tensor
+    return states
+
+
+def saved_expert_files(tag_dir: str) -> list[str]:
+    pattern = re.compile(r"layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt")
+    return sorted(f for f in os.listdir(tag_dir) if pattern.fullmatch(f))
+
+
+# --- what the engine's save / load call (engine_checkpointing.py) ----------------------------
+
+def strip_expert_states(engine: Any, model_states: dict[str, Any], module_key: str) -> None:
+    """The model-states file keeps non-expert entries only, plus DeepSpeed's `num_experts` and our ep sizes."""
+    from zerospeed.utils import groups
+
+    model_states[module_key], _ = split_expert_states(engine.module, model_states[module_key],
+                                                      groups._get_expert_parallel_rank)
+    model_states["num_experts"] = engine.num_experts
+    model_states[EP_SIZES_KEY] = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
+
+
+def save_moe_files(engine: Any, transaction: Any, optimizer_entry: Any) -> None:
+    """Expert files (by expert-data-parallel rank 0 of each group) and, at stage 0, the per-ep-rank
+    optimizer file ([Note: MoE checkpoint layout])."""
+    from zerospeed.utils import groups
+
+    _, files = split_expert_states(engine.module, engine.module.state_dict(), groups._get_expert_parallel_rank)
+    for file_name, (group_name, entries) in files.items():
+        if groups._get_expert_data_parallel_rank(group_name) == 0:
+            transaction.write(file_name, entries)
+    largest = groups._get_max_expert_size_name()
+    if optimizer_entry is not None and groups._get_expert_data_parallel_rank(largest) == 0:
+        transaction.write(optim_file_name(groups._get_expert_parallel_rank(largest)), {"optimizer": optimizer_entry})
+
+
+def merge_expert_states(engine: Any, tag_dir: str, module_state: dict[str, Any], load: Any) -> dict[str, Any]:
+    """`module_state` (from the model-states file) plus this rank's experts from their files."""
+    from zerospeed.utils import groups
+
+    return {**module_state, **expert_states_for_rank(engine.module, tag_dir, groups._get_expert_parallel_rank, load)}
+
+
+def check_optimizer_topology(engine: Any, tag_dir: str, model_state: dict[str, Any]) -> None:
+    """Optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and, at ZeRO 1/2,
+    the data-parallel size) they were saved with; expert weights load at any."""
+    saved_sizes = model_state.get(EP_SIZES_KEY)
+    sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
+    saved_world = model_state.get("dp_world_size", engine.dp_world_size)
+    stage = engine.zero_optimization_stage()
+    if (saved_sizes is not None and saved_sizes != sizes) or (stage > 0 and saved_world != engine.dp_world_size):
+        raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
+                         f"data-parallel ranks, this run has {sizes} on {engine.dp_world_size}: expert weights "
+                         "reshard, optimizer states of MoE models do not; load with load_optimizer_states=False "
+                         "(or load_module_only=True)")
+
+
+def load_moe_optimizer(engine: Any, tag_dir: str, load: Any) -> None:
+    """Stage 0: this rank's optimizer state is its expert-parallel rank's file, not rank 0's."""
+    from zerospeed.utils import groups
+
+    path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
+    saved = load(path)["optimizer"]
+    if "optimizer_state_dict" in saved:   # ours: the low-precision wrapper's state
+        engine.optimizer.load_state_dict(saved, load_optimizer_states=True)
+        return
+    engine.optimizer.optimizer.load_state_dict(saved)   # DeepSpeed's fp32 layout: the torch optimizer's
+    engine.optimizer.refresh_fp32_params()
+
+
+def stage0_optimizer_file_entry(engine: Any, wrapper_entry: Any) -> Any:
+    """What the stage-0 `expp_rank` file holds: in fp32 the torch optimizer's state dict, as DeepSpeed
+    writes it (its bare optimizer), so each library loads the other's; in fp16/bf16 our wrapper's."""
+    if engine.optimizer.precision.low_precision:
+        return wrapper_entry
+    return engine.optimizer.optimizer.state_dict()
