@@ -84,32 +84,68 @@ def _damage(path: str, how: str) -> None:
         handle.write(bytes(data))
 
 
-def damage() -> dict:
-    """Every damaged file must make the resume fail with its path in the error."""
-    from crash_trials import finish, run_job, start_ranks
+def _saved_checkpoint(save_dir: str, stage: int) -> None:
+    import torch
 
+    import zerospeed
+    from crash_save import batch, config
+    from parity import make_model
+
+    engine, _, _, _ = zerospeed.initialize(model=make_model(), config=config(stage, 1))
+    engine.backward(engine(*batch(1, 0)))
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="a")
+    torch.manual_seed(0)
+
+
+def _resume_error(save_dir: str, stage: int) -> str:
+    import zerospeed
+    from crash_save import config
+    from parity import make_model
+
+    engine, _, _, _ = zerospeed.initialize(model=make_model(), config=config(stage, 1))
+    try:
+        path, _ = engine.load_checkpoint(save_dir)
+    except Exception as error:  # noqa: BLE001 - the message is what is measured
+        return f"{type(error).__name__}: {error}"
+    return f"loaded {path}"
+
+
+def damage() -> dict:
+    """Every damaged file must make `engine.load_checkpoint` fail with its path in the error
+    (one process, world size 1, ZeRO stages 1 and 3: one engine per case)."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     work = tempfile.mkdtemp(prefix="zs-damage-")
-    good = os.path.join(work, "good")
-    run_job(good, 3, 2, 1, "a")
-    cases = [(name, how) for name in sorted(os.listdir(os.path.join(good, "a")))
-             for how in ("missing", "truncated", "flipped")]
-    cases += [("../latest", "junk"), ("../latest", "truncated")]
-    refused = 0
-    failures = []
-    for index, (name, how) in enumerate(cases):
-        save_dir = os.path.join(work, f"case{index}")
-        shutil.copytree(good, save_dir)
-        path = os.path.normpath(os.path.join(save_dir, "a", name))
-        _damage(path, how)
-        results = finish(start_ranks(save_dir, 3, 2, 2, "a"))
-        stderr = "\n".join(err for _, err in results)
-        named = any(code != 0 for code, _ in results) and path in stderr
-        refused += named
-        if not named:
-            failures.append(f"{name} {how}: codes {[c for c, _ in results]}")
-        print(f"damage {name} {how}: {'refused, named' if named else 'NOT REFUSED/NAMED'}", flush=True)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{work}/rdzv", rank=0, world_size=1)
+    refused, failures, total = 0, [], 0
+    for stage in (1, 3):
+        good = os.path.join(work, f"good{stage}")
+        _saved_checkpoint(good, stage)
+        cases = [(name, how) for name in sorted(os.listdir(os.path.join(good, "a")))
+                 for how in ("missing", "truncated", "flipped")]
+        cases += [("../latest", "junk"), ("../latest", "truncated"), ("../latest", "missing_tag_dir")]
+        for index, (name, how) in enumerate(cases):
+            save_dir = os.path.join(work, f"s{stage}case{index}")
+            shutil.copytree(good, save_dir)
+            path = os.path.normpath(os.path.join(save_dir, "a", name))
+            if how == "missing_tag_dir":  # `latest` names a tag whose directory is gone
+                shutil.rmtree(os.path.join(save_dir, "a"))
+                path = os.path.join(save_dir, "a")
+            else:
+                _damage(path, how)
+            message = _resume_error(save_dir, stage)
+            named = not message.startswith("loaded") and path in message
+            total += 1
+            refused += named
+            if not named:
+                failures.append(f"stage {stage} {name} {how}: {message[:300]}")
+            print(f"damage stage {stage} {name} {how}: {'refused, named' if named else 'NOT NAMED: ' + message[:200]}",
+                  flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    return {"cases": len(cases), "refused_and_named": refused, "failures": failures}
+    return {"cases": total, "refused_and_named": refused, "failures": failures}
 
 
 def hang() -> dict:

@@ -25,7 +25,7 @@ from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_save.py")
-_TIMEOUT_S = 300
+_TIMEOUT_S = 1800  # generous: a loaded machine runs these jobs many times slower
 
 
 def start_ranks(save_dir: str, stage: int, world_size: int, steps: int, tags: str,
@@ -49,10 +49,14 @@ def finish(ranks: list[subprocess.Popen]) -> list[tuple[int, str]]:
             time.sleep(0.2)
             break
         time.sleep(0.02)
+    timed_out = time.monotonic() >= deadline
     for rank in ranks:
         if rank.poll() is None:
             rank.kill()
-    return [(rank.wait(), rank.communicate()[1]) for rank in ranks]
+    results = [(rank.wait(), rank.communicate()[1]) for rank in ranks]
+    if timed_out:
+        raise TimeoutError(f"the ranks ran longer than {_TIMEOUT_S} s")
+    return results
 
 
 def run_job(save_dir: str, stage: int, world_size: int, steps: int, tags: str, **extra_env: str) -> list[int]:
@@ -74,11 +78,19 @@ def golden_run(golden_dir: str, stage: int, world_size: int, steps: int) -> Gold
     start = time.monotonic()
     _raise_or(finish(ranks))
     seconds_per_step = (time.monotonic() - start) / steps
-    with open(f"{golden_dir}.timing") as handle:
-        save_windows = [tuple(float(x) for x in line.split()) for line in handle if line.strip()]
+    times = [float(line.split()[1]) for line in _timing(golden_dir)]
+    save_windows = list(zip(times[0::2], times[1::2]))
     states = {step: get_fp32_state_dict_from_zero_checkpoint(golden_dir, tag=f"global_step{step}")
               for step in range(1, steps + 1)}
     return Golden(stage, world_size, steps, states, seconds_per_step, save_windows)
+
+
+def _timing(save_dir: str) -> list[str]:
+    try:
+        with open(f"{save_dir}.timing") as handle:
+            return [line for line in handle if line.strip()]
+    except OSError:
+        return []
 
 
 def completed_steps(save_dir: str) -> int:
@@ -124,6 +136,7 @@ class Golden:
 @dataclass
 class TrialResult:
     killed: bool       # the watcher's SIGKILL landed while a rank still ran
+    mid_save: bool     # ... and rank 0 was inside save_checkpoint then
     step: int          # the step the load found
     done: int          # the last step whose save had returned
     error: str = ""    # why the trial counts as lost ("" when it survived)
@@ -157,10 +170,12 @@ def random_kill_trial(save_dir: str, golden: Golden, tags: str, rng: random.Rand
         time.sleep(rng.uniform(0, 0.02))
     results = finish(ranks)
     done = completed_steps(save_dir)
+    timing = _timing(save_dir)
+    mid_save = killed and bool(timing) and timing[-1].startswith("start")
     if any(code not in (0, -signal.SIGKILL) for code, _ in results):
-        return TrialResult(killed, -1, done, "a rank failed:\n" + "\n".join(err[-2000:] for _, err in results))
+        return TrialResult(killed, mid_save, -1, done, "a rank failed:\n" + "\n".join(err[-2000:] for _, err in results))
     try:
         step = check_recovered(save_dir, golden.states)
     except Exception as error:  # noqa: BLE001 - every way of failing to load is a lost checkpoint
-        return TrialResult(killed, -1, done, f"{type(error).__name__}: {error}")
-    return TrialResult(killed, step, done)
+        return TrialResult(killed, mid_save, -1, done, f"{type(error).__name__}: {error}")
+    return TrialResult(killed, mid_save, step, done)

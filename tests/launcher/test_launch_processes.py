@@ -122,8 +122,7 @@ def test_gloo_teardown_abort(tmp_path, others_s, grace_s, ok):
     else:
         assert out.returncode == 128 + signal.SIGABRT
         assert "rank 1 on host localhost failed (killed by SIGABRT)" in out.stderr
-        # start-up of two ranks on a loaded machine, then the 1 s grace and the teardown
-        assert time.monotonic() - start < 20
+        assert time.monotonic() - start < 30
     assert alive(job_pids(tmp_path, 2)) == []
 
 

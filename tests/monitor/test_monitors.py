@@ -15,23 +15,13 @@ EVENTS = [("Train/Samples/train_loss", 2.5, 8), ("Train/Samples/lr", 1e-3, 8),
 
 
 def _monitor_config(tmp_dir: str, tensorboard: bool = False, csv_monitor: bool = False):
-    try:
-        from zerospeed.monitor.config import DeepSpeedMonitorConfig
-    except ImportError:  # the config models are another module's; duck typing is all we need
-        return _namespace_config(tmp_dir, tensorboard, csv_monitor)
+    # The real config model: a fake one on ImportError would hide a broken zerospeed.monitor.config.
+    from zerospeed.monitor.config import DeepSpeedMonitorConfig
+
     return DeepSpeedMonitorConfig(
         tensorboard={"enabled": tensorboard, "output_path": os.path.join(tmp_dir, "tb"), "job_name": "job"},
         csv_monitor={"enabled": csv_monitor, "output_path": os.path.join(tmp_dir, "csv"), "job_name": "job"},
     )
-
-
-def _namespace_config(tmp_dir: str, tensorboard: bool, csv_monitor: bool):
-    ns = types.SimpleNamespace
-    config = ns(tensorboard=ns(enabled=tensorboard, output_path=os.path.join(tmp_dir, "tb"), job_name="job"),
-                csv_monitor=ns(enabled=csv_monitor, output_path=os.path.join(tmp_dir, "csv"), job_name="job"),
-                wandb=ns(enabled=False), comet=ns(enabled=False))
-    config.enabled = tensorboard or csv_monitor
-    return config
 
 
 def _read_tensorboard(log_dir: str) -> dict[str, list[tuple[int, float]]]:

@@ -78,7 +78,7 @@ def read_manifest(tag_dir: str) -> dict[str, Any] | None:
     try:
         with open(path) as handle:
             return json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError (a flipped bit) are ValueErrors
         raise CheckpointIntegrityError(f"checkpoint manifest {path} is unreadable: {error}") from error
 
 

@@ -100,8 +100,8 @@ class HangWatch:
         for rank in ranks:
             if rank.poll() is None and states[rank.spec.rank] is not None:
                 paths[rank.spec.rank] = f"{self._path(rank.spec.rank)}.stack"
-                try:
-                    os.kill(rank.pid, STACK_SIGNAL)
+                try:  # the process that imported zerospeed (the rank, or what a --no_python wrapper ran)
+                    os.kill(states[rank.spec.rank]["pid"], STACK_SIGNAL)
                 except ProcessLookupError:
                     pass
         # faulthandler writes from the signal handler at once; wait until the files stop growing.

@@ -31,7 +31,8 @@ __all__ = ["HEARTBEAT_ENV", "LAYOUT", "STACK_SIGNAL", "collective", "install", "
 
 HEARTBEAT_ENV = "ZS_HEARTBEAT_FILE"
 STACK_SIGNAL = signal.SIGUSR2
-# completed collectives, depth inside collectives, entered at (time.time()), stack handler ready, op name
+# completed collectives, depth inside collectives, entered at (time.time()), pid of the process that
+# owns the file (0 until one has mapped it), op name
 LAYOUT = struct.Struct("<qqdq32s")
 
 _map: mmap.mmap | None = None
@@ -49,9 +50,15 @@ def install() -> None:
     try:
         fd = os.open(path, os.O_RDWR)
         try:
-            _map = mmap.mmap(fd, LAYOUT.size)
+            mapped = mmap.mmap(fd, LAYOUT.size)
         finally:
             os.close(fd)
+        if LAYOUT.unpack_from(mapped, 0)[3]:
+            # Already owned: this is a process the rank started (a spawned data-loader worker
+            # importing zerospeed) and inherited the environment; the heartbeat stays the rank's.
+            mapped.close()
+            return
+        _map = mapped
         _stack_file = open(f"{path}.stack", "w")  # noqa: SIM115 - faulthandler writes to it until exit
         faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     except (OSError, ValueError, RuntimeError):  # the file went away: no hang report for this rank
@@ -62,7 +69,7 @@ def install() -> None:
 
 def _write(op: bytes) -> None:
     assert _map is not None
-    LAYOUT.pack_into(_map, 0, _completed, _depth, time.time() if _depth else 0.0, 1, op[:32])
+    LAYOUT.pack_into(_map, 0, _completed, _depth, time.time() if _depth else 0.0, os.getpid(), op[:32])
 
 
 @contextlib.contextmanager
@@ -114,8 +121,8 @@ def read_state(path: str) -> dict[str, Any] | None:
         return None
     if len(data) < LAYOUT.size:
         return None
-    completed, depth, entered_at, ready, op = LAYOUT.unpack(data)
-    if not ready:
+    completed, depth, entered_at, pid, op = LAYOUT.unpack(data)
+    if not pid:
         return None
-    return {"completed": completed, "inside": depth > 0, "entered_at": entered_at,
+    return {"completed": completed, "inside": depth > 0, "entered_at": entered_at, "pid": pid,
             "op": op.rstrip(b"\0").decode(errors="replace")}
