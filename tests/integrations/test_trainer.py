@@ -114,8 +114,9 @@ def test_training_matches_deepspeed(runs, stage):
     assert len(theirs) == STEPS
     assert_history_equal(theirs, ours, f"ZeRO-{stage} training")
     assert theirs[-1]["loss"] != theirs[0]["loss"]  # it trained
-    for step in (SAVE_STEPS, STEPS):
-        assert os.path.isdir(os.path.join(runs[stage]["zs"], f"checkpoint-{step}", f"global_step{step}"))
+    for side in ("ds", "zs"):  # DeepSpeed's checkpoint layout: the engine, not DDP, trained
+        for step in (SAVE_STEPS, STEPS):
+            assert os.path.isdir(os.path.join(runs[stage][side], f"checkpoint-{step}", f"global_step{step}"))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
