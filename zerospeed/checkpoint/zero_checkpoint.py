@@ -20,6 +20,7 @@ import torch
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, export_zero3, export_zero12,
                                              fragment_bounds)
+from zerospeed.checkpoint.deepspeed_format import stage0_for_deepspeed, stage0_from_deepspeed
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.runtime.zero.param_state import rank_span
@@ -59,13 +60,7 @@ def discover(tag_dir: str, bf16_first: bool) -> SavedLayout:
 # --- what the current wrapper holds ---------------------------------------------------------------
 def trainable_names_per_group(engine: Any) -> list[list[str]]:
     """Trainable parameter names per optimizer group, in the wrapper's (flat) order."""
-    wrapper = engine.optimizer
-    if hasattr(wrapper, "bit16_groups"):
-        return [[engine.param_names[p] for p in group] for group in wrapper.bit16_groups]
-    if hasattr(wrapper, "fp16_groups"):   # stage 3: one list per sub-group
-        return [[engine.param_names[p] for p in group] for group in wrapper.fp16_groups]
-    return [[names[i] for i, t in enumerate(trainable) if t]
-            for names, trainable in zip(*stage0_param_names(engine))]
+    return [[engine.param_names[p] for p in group] for group in engine.optimizer.trainable_param_groups()]
 
 
 def stage0_param_names(engine: Any) -> tuple[list[list[str]], list[list[bool]]]:
@@ -80,9 +75,22 @@ def stage0_param_names(engine: Any) -> tuple[list[list[str]], list[list[bool]]]:
 
 
 def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
-    """The model file's `optimizer` at stage 0: the wrapper's state dict plus param names."""
+    """The model file's `optimizer` at stage 0, in DeepSpeed's shape (deepspeed_format.py), with
+    the param names that make it reshardable."""
     state = engine.optimizer.state_dict()
     state["param_names"], state["trainable"] = stage0_param_names(engine)
+    return stage0_for_deepspeed(state, [len(g["params"]) for g in engine.optimizer.optimizer.param_groups])
+
+
+def stage0_wrapper_state(engine: Any, entry: dict[str, Any]) -> dict[str, Any]:
+    """A saved stage-0 entry (DeepSpeed's or ours) as our stage-0 wrapper state, named by param.
+    DeepSpeed's entry has no names: at stage 0 this run's optimizer order names it (same model,
+    same order); loading it at another stage needs the names and raises in export_stage0."""
+    at_stage0 = engine.zero_optimization_stage() == 0 and engine.optimizer is not None
+    groups = [list(g["params"]) for g in engine.optimizer.optimizer.param_groups] if at_stage0 else None
+    state = stage0_from_deepspeed(entry, groups, getattr(engine.optimizer, "clip_grad", 0.0))
+    if "param_names" not in state and at_stage0:
+        state["param_names"], state["trainable"] = stage0_param_names(engine)
     return state
 
 
@@ -90,6 +98,8 @@ def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
 def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str, Any],
                          load_optimizer_states: bool) -> None:
     stage, dp_rank = engine.zero_optimization_stage(), _dp_rank(engine)
+    if saved.zero_stage == 0 and model_state.get(C.OPTIMIZER) is not None:
+        model_state = {**model_state, C.OPTIMIZER: stage0_wrapper_state(engine, model_state[C.OPTIMIZER])}
     if not load_optimizer_states:
         _restore_weights(engine, saved, model_state)
         return
@@ -113,7 +123,7 @@ def _stage0_precision_changed(engine: Any, saved: SavedLayout, model_state: dict
 
 def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOptimizerState:
     if saved.zero_stage == 0:
-        return export_stage0(model_state[C.OPTIMIZER], model_state[C.MODULE])
+        return export_stage0(stage0_from_deepspeed(model_state[C.OPTIMIZER], None, 0.0), model_state[C.MODULE])
     if saved.zero_stage in (1, 2):
         verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
         return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])
@@ -139,12 +149,7 @@ def _restore_weights(engine: Any, saved: SavedLayout, model_state: dict[str, Any
 
 def _restore_from_module(engine: Any) -> None:
     """DeepSpeed's `_restore_from_bit16_weights`: fp32 masters re-derived from the module weights."""
-    wrapper = engine.optimizer
-    if hasattr(wrapper, "refresh_fp32_params"):
-        wrapper.refresh_fp32_params()
-        return
-    full = FullOptimizerState(fp32={n: p.detach().float() for n, p in engine.module.named_parameters()})
-    import_full_state(engine, full, load_optimizer_states=False)
+    engine.optimizer.refresh_fp32_params()
 
 
 def import_full_state(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
@@ -219,7 +224,7 @@ def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states:
     for g, group_names in enumerate(trainable_names_per_group(engine)):
         lean = current[C.SINGLE_PARTITION_OF_FP32_GROUPS][g]
         partition_numel = lean.numel() + int(current[C.GROUP_PADDINGS][g])
-        offsets = _flat_offsets(engine, wrapper.bit16_groups[g], group_names)
+        offsets = _flat_offsets(engine, wrapper.trainable_param_groups()[g], group_names)
         group_start = dp_rank * partition_numel
         new_lean = torch.zeros_like(lean)
         moments: dict[str, torch.Tensor] = {}
@@ -249,7 +254,7 @@ def _import_zero3(engine: Any, full: FullOptimizerState, load_optimizer_states: 
     dp_rank, base = _dp_rank(engine), current[C.OPTIMIZER_STATE_DICT]
     indices = [index for group in base["param_groups"] for index in group["params"]]
     state: dict[int, dict[str, Any]] = {}
-    for k, params in enumerate(wrapper.fp16_groups):
+    for k, params in enumerate(wrapper.trainable_param_groups()):
         flat = torch.zeros_like(current[C.FP32_FLAT_GROUPS][k])
         moments: dict[str, torch.Tensor] = {}
         scalars: dict[str, Any] = {}

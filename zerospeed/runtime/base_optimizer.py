@@ -13,6 +13,13 @@ gradient communication. Per micro-batch the engine calls
 and at the accumulation boundary `wrapper.step()` then `wrapper.zero_grad()`. The scheduler
 drives `param_groups`, which are the base optimizer's.
 
+[Note: stage dispatch]
+The engine and `checkpoint/` never ask which stage they run: what differs between stages is a
+method here that each wrapper answers (`trainable_param_groups`, `param_shapes`,
+`saves_16bit_model`, `module_state_dict_16bit`, `supports_no_sync`, `refresh_fp32_params`, the state dicts). The
+factory (optimizer_factory.py) is the one place that branches on the stage.
+tests/runtime/test_optimizer_contract.py runs every wrapper through this contract.
+
 [Note: one step]
 `step()` is written once, here, for every stage; a stage supplies two things: its gradients
 at the step (`_step_gradients`: whatever is still unreduced is reduced first; this rank's
@@ -153,6 +160,39 @@ class DeepSpeedOptimizer(abc.ABC):
 
     @abc.abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    # --- what the engine and the checkpoint code ask of every stage ([Note: stage dispatch]) ----
+    supports_no_sync: bool = True
+    """Whether gradients may accumulate unreduced inside `engine.no_sync()` (not with partitioned
+    gradients: stages 2 and 3, as DeepSpeed)."""
+
+    @abc.abstractmethod
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The module's trainable parameters per group, in the order the wrapper lays them out
+        (stage 0: per base-optimizer group; ZeRO 1/2: each group's flat order; stage 3: per sub-group)."""
+
+    def param_shapes(self, param_names: dict[torch.nn.Parameter, str]) -> list[dict[str, torch.Size]]:
+        """Per group of `trainable_param_groups`, name -> full shape (DeepSpeed's `param_shapes`)."""
+        return [{param_names[p]: p.shape for p in group} for group in self.trainable_param_groups()]
+
+    def saves_16bit_model(self) -> bool:
+        """Whether `save_16bit_model` writes anything (stage 3: only when the config gathers)."""
+        return True
+
+    def module_state_dict_16bit(self, module: torch.nn.Module,
+                                exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The full model-dtype state dict `save_16bit_model` writes; at stage 3 a collective whose
+        result only rank 0 receives (None elsewhere), as DeepSpeed's."""
+        state = module.state_dict()
+        if exclude_frozen_parameters:
+            for name, param in module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    @abc.abstractmethod
+    def refresh_fp32_params(self) -> None:
+        """Re-derive the fp32 masters from the (just loaded) low-precision weights."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]: ...

@@ -58,6 +58,12 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         master_of[id(param)] = master
         return master
 
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        # The base optimizer's groups hold the fp32 masters (the params themselves in fp32).
+        param_of = {id(master): param for param, master in zip(self._lp_params, self._masters)}
+        return [[param_of[id(p)] for p in group["params"] if id(p) in param_of]
+                for group in self.optimizer.param_groups]
+
     def params_and_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(trainable param, its fp32 master) pairs in optimizer order; the same tensor twice in fp32."""
         return list(zip(self._lp_params, self._masters))

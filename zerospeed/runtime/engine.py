@@ -221,7 +221,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        assert self.zero_optimization_stage() < 2, \
+        assert self.optimizer is None or self.optimizer.supports_no_sync, \
             f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self.zero_optimization_stage()}"
         assert not self._inside_no_sync, "no_sync context manager reentry is unsupported"
         self._inside_no_sync = True
@@ -252,18 +252,14 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         `stage3_gather_16bit_weights_on_model_save` is on (else it logs and returns False)."""
         import os
 
-        if self.zero_optimization_partition_weights() and \
-                not self._config.zero_config.gather_16bit_weights_on_model_save:
+        if self.optimizer is not None and not self.optimizer.saves_16bit_model():
             logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
                         "False", os.path.join(save_dir, save_filename))
             return False
-        state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters) \
-            if self.zero_optimization_partition_weights() else self.module.state_dict()
+        state_dict = self.module.state_dict() if self.optimizer is None else \
+            self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            if exclude_frozen_parameters and not self.zero_optimization_partition_weights():
-                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
-                state_dict = {k: v for k, v in state_dict.items() if k not in frozen}
             torch.save(state_dict, os.path.join(save_dir, save_filename))
         comm.barrier()
         return True

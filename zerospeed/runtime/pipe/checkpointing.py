@@ -142,7 +142,12 @@ class PipelineCheckpointing:
             if model_state.get(C.OPTIMIZER) is None:
                 raise ValueError(f"pipeline checkpoint {tag_dir} holds no stage-0 optimizer state "
                                  "(saved with ZeRO >= 1?): pass load_optimizer_states=False")
-            self.optimizer.load_state_dict(model_state[C.OPTIMIZER], load_optimizer_states=True)
+            entry = model_state[C.OPTIMIZER]
+            if C.OPTIMIZER_STATE_DICT not in entry and "state" in entry:
+                # DeepSpeed's stage 0 saves its bare torch optimizer's state dict: same params, same order.
+                self.optimizer.optimizer.load_state_dict(entry)
+            else:
+                self.optimizer.load_state_dict(entry, load_optimizer_states=True)
             return
         candidates = [optim_states_name(dp_rank, bf16, self._mp_rank()) for bf16 in (self.bfloat16_enabled(),
                                                                                       not self.bfloat16_enabled())]

@@ -53,6 +53,7 @@ from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3Gradient
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 
 class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
+    supports_no_sync = False
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
@@ -280,6 +281,18 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
             return {}
         device = get_accelerator().device_name()
         return {k: "cpu" if self._offloaded(k) else device for k in range(len(self.fp32_flat))}
+
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return list(self.fp16_groups)  # type: ignore[arg-type]
+
+    def saves_16bit_model(self) -> bool:
+        return bool(self.zero_config.gather_16bit_weights_on_model_save)
+
+    def module_state_dict_16bit(self, module: torch.nn.Module,
+                                exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        from zerospeed.runtime.zero.partition_parameters import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(module, exclude_frozen_parameters, self.dp_group)
 
     def partition_all_parameters(self) -> None:
         self.parameter_offload.partition_all_parameters()

@@ -122,9 +122,10 @@ class Stage3Checkpointing:
                     master.copy_(lp)
 
     # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
-    def param_shapes(self) -> list[dict[str, torch.Size]]:
+    def param_shapes(self, param_names: dict[torch.nn.Parameter, str] | None = None) -> list[dict[str, torch.Size]]:
         """Per sub-group, name -> full shape of each trainable param, in flat-partition order
-        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it)."""
+        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it). The names are
+        the parameters' own (`zs_state.name`); the module's parameters are (0,) placeholders."""
         return [{p.zs_state.name: p.zs_state.shape for p in group} for group in self.fp16_groups]
 
     def frozen_params(self) -> list[ZeroParameter]:

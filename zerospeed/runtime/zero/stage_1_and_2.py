@@ -148,6 +148,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self.dp_rank = comm.get_rank(dp_group)
         self.dp_world_size = comm.get_world_size(dp_group)
         self.partition_gradients = partition_grads
+        self.supports_no_sync = not partition_grads
         self.zero_stage = 2 if partition_grads else 1
         self.groups = [self._init_group(index, group, param_names)
                        for index, group in enumerate(init_optimizer.param_groups)]
@@ -369,6 +370,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     @property
     def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
         return [g.params for g in self.groups]
+
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return self.bit16_groups
+
+    def refresh_fp32_params(self) -> None:
+        """The fp32 masters from the (just loaded) lp partitions, then every rank's flat buffer."""
+        for index, group in enumerate(self.groups):
+            if self.offload is not None:
+                self.offload.load_master_partition(index, group.lp_partition.detach().to("cpu", _MASTER_DTYPE))
+            elif group.master.data_ptr() != group.lp_partition.data_ptr():
+                group.master.copy_(group.lp_partition)
+        self._publish_params()
 
     @property
     def bit16_groups_flat(self) -> list[torch.Tensor]:
