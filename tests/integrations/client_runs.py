@@ -47,7 +47,7 @@ def client_env(alias: str | None) -> dict[str, str]:
     env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", ZS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", PYTHONWARNINGS="ignore",
-               ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="")
+               CUDA_VISIBLE_DEVICES="")  # ACCELERATE_* stripped above: ACCELERATE_USE_CPU would mean DDP
     env["PATH"] = os.pathsep.join(p for p in ([os.path.join(alias, "bin")] if alias else []) + [BIN, env.get("PATH", "")])
     return env
 

@@ -71,8 +71,14 @@ def _assert_same_file(theirs: str, ours: str) -> None:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _assert_engines(theirs: dict, ours: dict) -> None:
+    assert theirs["engine"] == "deepspeed.runtime.engine.DeepSpeedEngine"
+    assert ours["engine"] == "zerospeed.runtime.engine.DeepSpeedEngine"  # `deepspeed` was zerospeed
+
+
 def test_peft_lora_zero3_matches_deepspeed(runs):
     theirs, ours = read_json(os.path.join(runs["lora_ds"], "result.json")), read_json(os.path.join(runs["lora_zs"], "result.json"))
+    _assert_engines(theirs, ours)
     assert ours["trainable"] == theirs["trainable"] and all("lora_" in n for n in ours["trainable"])
     assert ours["frozen_partitioned"] and theirs["frozen_partitioned"]
     _assert_history(theirs["history"], ours["history"], "LoRA ZeRO-3")
@@ -82,14 +88,14 @@ def test_peft_lora_zero3_matches_deepspeed(runs):
 
 def test_trl_sft_zero2_matches_deepspeed(runs):
     theirs, ours = read_json(os.path.join(runs["sft_ds"], "result.json")), read_json(os.path.join(runs["sft_zs"], "result.json"))
+    _assert_engines(theirs, ours)
     _assert_history(theirs["history"], ours["history"], "SFT ZeRO-2")
     _assert_same_file(os.path.join(runs["sft_ds"], "model.safetensors"), os.path.join(runs["sft_zs"], "model.safetensors"))
 
 
 def test_accelerate_launch_use_deepspeed_matches_deepspeed(runs):
     theirs, ours = read_json(os.path.join(runs["acc_ds"], "result.json")), read_json(os.path.join(runs["acc_zs"], "result.json"))
-    assert theirs["engine"] == "deepspeed.runtime.engine.DeepSpeedEngine"
-    assert ours["engine"] == "zerospeed.runtime.engine.DeepSpeedEngine"  # `deepspeed` was zerospeed
+    _assert_engines(theirs, ours)
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6, abs=1e-7)
     assert theirs["losses"][-1] != theirs["losses"][0]
     _assert_same_file(os.path.join(runs["acc_ds"], "model.safetensors"), os.path.join(runs["acc_zs"], "model.safetensors"))

@@ -67,6 +67,8 @@ def main():
     trainer, info = (lora if args.task == "lora" else sft)(args)
     if torch.distributed.get_rank() == 0:
         info["history"] = [e for e in trainer.state.log_history if "loss" in e]
+        engine = trainer.model_wrapped
+        info["engine"] = f"{type(engine).__module__}.{type(engine).__name__}"
         with open(os.path.join(args.output_dir, "result.json"), "w") as handle:
             json.dump(info, handle)
 
