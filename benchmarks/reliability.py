@@ -34,20 +34,22 @@ for sub in ("tests", os.path.join("tests", "checkpoint"), os.path.join("tests", 
 os.environ.setdefault("ZS_ACCELERATOR", "cpu")
 
 
-def kills(trials_per_stage: int, seed: int = 17) -> dict:
+def kills(trials_per_stage: int, stages: tuple[int, ...] = (1, 3), seed: int = 17) -> dict:
     from crash_trials import golden_run, random_kill_trial
 
     out: dict = {}
-    for stage in (1, 3):
+    for stage in stages:
         work = tempfile.mkdtemp(prefix=f"zs-kills-s{stage}-")
         golden = golden_run(os.path.join(work, "golden"), stage, 2, 4)
         rng = random.Random(seed + stage)
-        landed = survived = 0
+        landed = survived = mid_save = survived_mid_save = 0
         lost: list[str] = []
         save_dir = os.path.join(work, "ckpt")
         for trial in range(trials_per_stage):
             result = random_kill_trial(save_dir, golden, "a,a,b", rng)
             landed += result.killed
+            mid_save += result.mid_save
+            survived_mid_save += result.mid_save and not result.error
             if result.error:
                 lost.append(result.error)
                 shutil.move(save_dir, os.path.join(work, f"lost{trial}"))  # keep it for a post-mortem
@@ -56,9 +58,10 @@ def kills(trials_per_stage: int, seed: int = 17) -> dict:
                         os.remove(save_dir + side)
             elif result.killed:
                 survived += 1
-            print(f"stage {stage} trial {trial}: killed={result.killed} step={result.step} "
+            print(f"stage {stage} trial {trial}: killed={result.killed} mid_save={result.mid_save} step={result.step} "
                   f"done={result.done} {'LOST ' + result.error[:200] if result.error else 'ok'}", flush=True)
         out[f"stage{stage}"] = {"trials": trials_per_stage, "kills_landed": landed, "survived": survived,
+                                "kills_mid_save": mid_save, "survived_mid_save": survived_mid_save,
                                 "lost": len(lost), "lost_errors": lost[:5],
                                 "seconds_per_step": round(golden.seconds_per_step, 3)}
         shutil.rmtree(work, ignore_errors=True)
@@ -153,13 +156,15 @@ SECTIONS = {"kills": None, "damage": damage, "hang": hang, "orphans": orphans, "
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=30, help="random-kill trials per stage (stages 1 and 3)")
+    parser.add_argument("--stages", default="1,3", help="ZeRO stages of the kill trials")
+    parser.add_argument("--seed", type=int, default=17, help="of the kill moments (run several seeds in parallel)")
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = {}
     for name in args.only.split(","):
         start = time.monotonic()
-        results[name] = kills(args.kills) if name == "kills" else SECTIONS[name]()
+        results[name] = kills(args.kills, tuple(int(s) for s in args.stages.split(",")), args.seed) if name == "kills" else SECTIONS[name]()
         results[name]["section_wall_s"] = round(time.monotonic() - start, 1)
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     if args.json:

@@ -20,7 +20,17 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 ALIAS_SOURCE = os.path.join(REPO_ROOT, "integrations", "deepspeed-alias")
 BIN = os.path.dirname(sys.executable)
 
-__all__ = ["ALIAS_SOURCE", "BIN", "REPO_ROOT", "SCRIPTS", "build_alias", "client_env", "make_assets", "run"]
+__all__ = ["ALIAS_SOURCE", "BIN", "REPO_ROOT", "SCRIPTS", "build_alias", "client_env", "free_port", "make_assets",
+           "run"]
+
+
+def free_port() -> int:
+    """A port for one launch's rendezvous: launches run two at a time, never on a shared default."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def build_alias(target: str) -> str:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from client_runs import BIN, SCRIPTS, make_assets, read_json, run
+from client_runs import BIN, SCRIPTS, free_port, make_assets, read_json, run
 from test_trainer import REFERENCE, ds_config
 
 pytestmark = pytest.mark.timeout(1200)
@@ -21,13 +21,13 @@ ACCELERATE_LOOP = os.path.join(SCRIPTS, "accelerate_loop.py")
 
 def _torchrun(args: list[str], reference: bool) -> list[str]:
     return [os.path.join(BIN, "python"), "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            *([REFERENCE] if reference else []), *args]
+            "--master_port", str(free_port()), *([REFERENCE] if reference else []), *args]
 
 
-def _accelerate(args: list[str], reference: bool, port: int) -> list[str]:
+def _accelerate(args: list[str], reference: bool) -> list[str]:
     return [os.path.join(BIN, "accelerate"), "launch", "--use_deepspeed", "--num_processes", "2", "--num_machines",
             "1", "--zero_stage", "2", "--gradient_accumulation_steps", "2", "--mixed_precision", "no",
-            "--main_process_port", str(port), *([REFERENCE] if reference else []), *args]
+            "--main_process_port", str(free_port()), *([REFERENCE] if reference else []), *args]
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +42,13 @@ def runs(alias_dir, tmp_path_factory):
     out = {f"{task}_{side}": os.path.join(root, f"{task}_{side}") for task in ("lora", "sft", "acc")
            for side in ("ds", "zs")}
     jobs = []
-    for side, alias, port in (("ds", None, 29611), ("zs", alias_dir, 29612)):
+    for side, alias in (("ds", None), ("zs", alias_dir)):
         reference = alias is None
         for task, stage in (("lora", 3), ("sft", 2)):
             args = [PEFT_TRL, "--task", task, "--deepspeed", configs[stage], "--model", assets["model"],
                     "--text", assets["text"], "--output_dir", out[f"{task}_{side}"]]
             jobs.append((_torchrun(args, reference), alias))
-        jobs.append((_accelerate([ACCELERATE_LOOP, "--output_dir", out[f"acc_{side}"]], reference, port), alias))
+        jobs.append((_accelerate([ACCELERATE_LOOP, "--output_dir", out[f"acc_{side}"]], reference), alias))
     with ThreadPoolExecutor(2) as pool:
         for future in [pool.submit(run, cmd, alias, root) for cmd, alias in jobs]:
             future.result()

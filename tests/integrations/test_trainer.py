@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from client_runs import BIN, SCRIPTS, make_assets, read_json, run
+from client_runs import BIN, SCRIPTS, free_port, make_assets, read_json, run
 
 STEPS, SAVE_STEPS = 4, 2
 RUN_CLM = os.path.join(SCRIPTS, "run_clm.py")
@@ -55,11 +55,12 @@ def script_args(assets: dict, config: str, output_dir: str, model: list[str], re
 
 
 def torchrun(args: list[str]) -> list[str]:
-    return [os.path.join(BIN, "python"), "-m", "torch.distributed.run", "--nproc_per_node", "2", REFERENCE, *args]
+    return [os.path.join(BIN, "python"), "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(free_port()), REFERENCE, *args]
 
 
 def zerospeed_launcher(alias: str, args: list[str]) -> list[str]:
-    return [os.path.join(alias, "bin", "deepspeed"), "--num_gpus", "2", *args]
+    return [os.path.join(alias, "bin", "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), *args]
 
 
 def history(output_dir: str) -> list[dict]:

@@ -24,7 +24,8 @@ def _engine(ep_size: int, stage: int = 0) -> tuple:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
     model.set_expert_weights(groups._get_expert_parallel_rank(model.moe.expert_group_name))
-    engine.optimizer.refresh_fp32_params()
+    if stage == 0:
+        engine.optimizer.refresh_fp32_params()
     return engine, model
 
 
@@ -53,23 +54,24 @@ def _global_params(model: MoEModel) -> dict[str, torch.Tensor]:
     return named
 
 
-def _save_then_resume(save_dir: str, ep_size: int) -> dict:
+def _save_then_resume(save_dir: str, ep_size: int, stage: int) -> dict:
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     batches = _batches(world_size, 1)
-    engine, model = _engine(ep_size)
+    engine, model = _engine(ep_size, stage)
     _train(engine, batches[:1], rank, world_size)
     engine.save_checkpoint(save_dir, tag="t")
     continued = _train(engine, batches[1:], rank, world_size)
     expected = _global_params(model)
-    engine, model = _engine(ep_size)
+    engine, model = _engine(ep_size, stage)
     engine.load_checkpoint(save_dir, tag="t")
     resumed = _train(engine, batches[1:], rank, world_size)
     return {"continued": continued, "resumed": resumed, "expected": expected, "got": _global_params(model)}
 
 
-@pytest.mark.parametrize("world_size,ep_size", [(2, 2), (4, 2)])
-def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int, tmp_path: object) -> None:
-    results = run_on_ranks(_save_then_resume, world_size, str(tmp_path), ep_size)
+@pytest.mark.parametrize("world_size,ep_size,stage", [(2, 2, 0), (4, 2, 0), (4, 2, 2)])
+def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int, stage: int,
+                                                   tmp_path: object) -> None:
+    results = run_on_ranks(_save_then_resume, world_size, str(tmp_path), ep_size, stage)
     for result in results:
         assert result["continued"] == result["resumed"]
         for name, value in result["expected"].items():
@@ -77,7 +79,8 @@ def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int
     tag_dir = os.path.join(str(tmp_path), "t")
     files = set(os.listdir(tag_dir))
     expected_files = {f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)}
-    expected_files |= {f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep_size)}
+    expected_files |= {f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep_size)} if stage == 0 else \
+        {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)}
     assert expected_files <= files, sorted(files)
     model_states = load_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     assert not [k for k in model_states["module"] if "deepspeed_experts" in k]

@@ -123,3 +123,30 @@ def test_moe_layer_matches_float64_reference(world_size: int, ep_size: int) -> N
             cap = reference.capacity(TOKENS, NUM_EXPERTS, k, CAPACITY_FACTOR, MIN_CAPACITY, True)
             assert max(int(r["exp_counts"].max()) for r in results) > cap
         _check_case(results, k, drop_tokens, use_residual)
+
+
+def _all_to_all_records(k: int) -> list[tuple[str, int, int]]:
+    from zerospeed.comm import comms_logger
+    from zerospeed.moe.layer import MoE
+
+    moe = MoE(D_MODEL, torch.nn.Linear(D_MODEL, D_MODEL), NUM_EXPERTS, 2, k, CAPACITY_FACTOR,
+              min_capacity=MIN_CAPACITY, use_rts=False, top2_2nd_expert_sampling=False)
+    moe.set_deepspeed_parallelism()
+    comms_logger.configure(enabled=True, prof_all=True)
+    comms_logger.reset()
+    try:
+        output, _, _ = moe(torch.randn(TOKENS, D_MODEL, requires_grad=True))
+        output.sum().backward()
+        return [(r.op, r.group_size, r.msg_bytes) for r in comms_logger.records]
+    finally:
+        comms_logger.configure(enabled=False)
+        comms_logger.reset()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_all_to_all_bytes_equal_the_theory(k: int) -> None:
+    """Per layer: two all-to-alls forward and two backward, each of E x capacity x d fp32 elements."""
+    capacity = reference.capacity(TOKENS, NUM_EXPERTS, k, CAPACITY_FACTOR, MIN_CAPACITY, True)
+    expected = [("all_to_all_single", 2, NUM_EXPERTS * capacity * D_MODEL * 4)] * 4
+    for records in run_on_ranks(_all_to_all_records, 2, k):
+        assert records == expected

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
+__all__ = ["check_optimizer_topology", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
@@ -115,16 +115,24 @@ def merge_expert_states(engine: Any, tag_dir: str, module_state: dict[str, Any],
     return {**module_state, **expert_states_for_rank(engine.module, tag_dir, groups._get_expert_parallel_rank, load)}
 
 
-def load_moe_optimizer(engine: Any, tag_dir: str, model_state: dict[str, Any], load: Any) -> None:
+def check_optimizer_topology(engine: Any, tag_dir: str, model_state: dict[str, Any]) -> None:
+    """Optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and, at ZeRO 1/2,
+    the data-parallel size) they were saved with; expert weights load at any."""
+    saved_sizes = model_state.get(EP_SIZES_KEY)
+    sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
+    saved_world = model_state.get("dp_world_size", engine.dp_world_size)
+    stage = engine.zero_optimization_stage()
+    if (saved_sizes is not None and saved_sizes != sizes) or (stage > 0 and saved_world != engine.dp_world_size):
+        raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
+                         f"data-parallel ranks, this run has {sizes} on {engine.dp_world_size}: expert weights "
+                         "reshard, optimizer states of MoE models do not; load with load_optimizer_states=False "
+                         "(or load_module_only=True)")
+
+
+def load_moe_optimizer(engine: Any, tag_dir: str, load: Any) -> None:
     """Stage 0: this rank's optimizer state is its expert-parallel rank's file, not rank 0's."""
     from zerospeed.utils import groups
 
-    saved_sizes = model_state.get(EP_SIZES_KEY)
-    sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
-    if saved_sizes is not None and saved_sizes != sizes:
-        raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes}, this model has "
-                         f"{sizes}: expert weights reshard, optimizer states do not; load with "
-                         "load_optimizer_states=False (or load_module_only=True)")
     path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
     saved = load(path)["optimizer"]
     if "optimizer_state_dict" in saved:   # ours: the low-precision wrapper's state

@@ -97,17 +97,23 @@ class EngineAccessors:
 
     # --- Mixture of Experts (engine_moe.py) -------------------------------------------------------
     @property
+    def _moe_info(self) -> Any:
+        from zerospeed.runtime.engine_moe import MoEInfo
+
+        return self.__dict__.get("_moe") or MoEInfo()   # an engine built without _init_module has none
+
+    @property
     def has_moe_layers(self) -> bool:
-        return self._moe.has_moe_layers
+        return self._moe_info.has_moe_layers
 
     @property
     def num_experts(self) -> list[int]:
-        return self._moe.num_experts
+        return self._moe_info.num_experts
 
     @property
     def moe_layers(self) -> list[Any]:
-        return self._moe.moe_layers
+        return self._moe_info.moe_layers
 
     @property
     def gate_modules(self) -> list[Any]:
-        return self._moe.gate_modules
+        return self._moe_info.gate_modules

@@ -218,7 +218,10 @@ class _ZeroCheckpoint:
         module = self.model0["module"]
         shapes = _merged_shapes(self.model0.get("param_shapes") or [])
         optimizer = self.model0.get("optimizer") or {}
-        masters = dict(zip(shapes, optimizer.get("fp32_groups") or []))
+        groups = optimizer.get("fp32_groups") or []
+        if groups and isinstance(groups[0], (list, tuple)):   # DeepSpeed's shape: a list per param group
+            groups = [master for group in groups for master in group]
+        masters = dict(zip(shapes, groups))
         for name, tensor in module.items():
             if name in self.model0.get("buffer_names", []) or name in (self.model0.get("shared_params") or {}):
                 continue
@@ -250,8 +253,20 @@ class _ZeroCheckpoint:
     def _frozen_full(self, model_state: dict) -> None:
         if self.exclude_frozen:
             return
-        for name, tensor in (model_state.get("frozen_param_fragments") or {}).items():
+        fragments = model_state.get("frozen_param_fragments")
+        if fragments is None:
+            fragments = self._frozen_from_module(model_state)
+        for name, tensor in fragments.items():
             self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+
+    def _frozen_from_module(self, model_state: dict) -> dict:
+        """DeepSpeed writes no frozen fragments at stage 1 (its converter then drops frozen
+        params); their values are in the model file's `module`: every entry that is neither a
+        trainable param, a buffer nor a tied alias."""
+        trainable = _merged_shapes(model_state.get("param_shapes") or [])
+        skip = set(model_state.get("buffer_names", [])) | set(model_state.get("shared_params") or {})
+        return {name: tensor for name, tensor in model_state["module"].items()
+                if name not in trainable and name not in skip and tensor.numel() > 0}
 
     def _zero3_params(self) -> None:
         world_size = self.world_size

@@ -8,7 +8,14 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
 
 
 def lora(args):
@@ -18,6 +25,9 @@ def lora(args):
                                       per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
                                       report_to="none", use_cpu=True, seed=7, save_strategy="no")
     model = AutoModelForCausalLM.from_pretrained(args.model)  # under zero.Init: partitioned
+    # The adapters' random init from a known state: how much RNG from_pretrained consumes under
+    # zero.Init is not part of the contract (docs/compatibility.md, Client libraries).
+    set_seed(7)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
     frozen = [p for p in model.parameters() if not p.requires_grad]
     info = {"trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),

@@ -5,7 +5,6 @@ tokenize, group into blocks, `Trainer.train(resume_from_checkpoint=...)`, `save_
 It knows nothing of DeepSpeed or zerospeed: `--deepspeed ds_config.json` is a TrainingArguments flag.
 """
 
-import json
 import sys
 from dataclasses import dataclass, field
 from itertools import chain
@@ -13,7 +12,6 @@ from itertools import chain
 from datasets import load_dataset
 from transformers import (
     CONFIG_MAPPING,
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     HfArgumentParser,
