@@ -42,7 +42,7 @@ def shared_param_names(module: torch.nn.Module) -> dict[str, str]:
 
 def _param_shapes(engine: Any) -> list[OrderedDict[str, torch.Size]]:
     if hasattr(engine.optimizer, "param_shapes"):   # stage 3: the module's params are (0,) placeholders
-        return [OrderedDict(group) for group in engine.optimizer.param_shapes()]
+        return [OrderedDict(group) for group in engine.optimizer.param_shapes(engine.param_names)]
     named = dict(engine.module.named_parameters())
     return [OrderedDict((name, named[name].shape) for name in group) for group in trainable_names_per_group(engine)]
 

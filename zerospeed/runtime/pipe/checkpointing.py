@@ -25,10 +25,12 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
+from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
 from zerospeed.checkpoint.layout import ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.runtime.engine_checkpointing import model_states_version, zero_to_fp32_source
+from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
+from zerospeed.runtime.engine_checkpointing import zero_to_fp32_source
 from zerospeed.runtime.pipe.partition import partition_uniform
 from zerospeed.utils.logging import logger
 
@@ -82,8 +84,8 @@ class PipelineCheckpointing:
             transaction.write(model_states_name(0, mp_rank=self._mp_rank()), to_plain(model_states))
         if stage >= 1:
             transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled(), self._mp_rank()), {
-                C.OPTIMIZER_STATE_DICT: to_plain(self.optimizer.state_dict()),
-                C.DS_CONFIG: self._config._param_dict, C.DS_VERSION: model_states_version()})
+                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
+                C.DS_CONFIG: self._config._param_dict, C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
         return True
 
@@ -142,12 +144,9 @@ class PipelineCheckpointing:
             if model_state.get(C.OPTIMIZER) is None:
                 raise ValueError(f"pipeline checkpoint {tag_dir} holds no stage-0 optimizer state "
                                  "(saved with ZeRO >= 1?): pass load_optimizer_states=False")
-            entry = model_state[C.OPTIMIZER]
-            if C.OPTIMIZER_STATE_DICT not in entry and "state" in entry:
-                # DeepSpeed's stage 0 saves its bare torch optimizer's state dict: same params, same order.
-                self.optimizer.optimizer.load_state_dict(entry)
-            else:
-                self.optimizer.load_state_dict(entry, load_optimizer_states=True)
+            # DeepSpeed's or ours, in any of DeepSpeed's stage-0 shapes (checkpoint/deepspeed_format.py).
+            entry = stage0_wrapper_state(self, model_state[C.OPTIMIZER])
+            self.optimizer.load_state_dict(entry, load_optimizer_states=True)
             return
         candidates = [optim_states_name(dp_rank, bf16, self._mp_rank()) for bf16 in (self.bfloat16_enabled(),
                                                                                       not self.bfloat16_enabled())]
