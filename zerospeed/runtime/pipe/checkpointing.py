@@ -25,10 +25,10 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
+from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
 from zerospeed.checkpoint.layout import ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
 from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
 from zerospeed.runtime.engine_checkpointing import zero_to_fp32_source
 from zerospeed.runtime.pipe.partition import partition_uniform
@@ -144,9 +144,9 @@ class PipelineCheckpointing:
             if model_state.get(C.OPTIMIZER) is None:
                 raise ValueError(f"pipeline checkpoint {tag_dir} holds no stage-0 optimizer state "
                                  "(saved with ZeRO >= 1?): pass load_optimizer_states=False")
-            # DeepSpeed's stage-0 shapes, ours included (checkpoint/deepspeed_format.py)
-            self.optimizer.load_state_dict(stage0_wrapper_state(self, model_state[C.OPTIMIZER]),
-                                           load_optimizer_states=True)
+            # DeepSpeed's or ours, in any of DeepSpeed's stage-0 shapes (checkpoint/deepspeed_format.py).
+            entry = stage0_wrapper_state(self, model_state[C.OPTIMIZER])
+            self.optimizer.load_state_dict(entry, load_optimizer_states=True)
             return
         candidates = [optim_states_name(dp_rank, bf16, self._mp_rank()) for bf16 in (self.bfloat16_enabled(),
                                                                                       not self.bfloat16_enabled())]

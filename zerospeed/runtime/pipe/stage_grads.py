@@ -24,14 +24,5 @@ class StageGradients:
 
 
 def stage_gradients(wrapper: Any) -> StageGradients:
-    if hasattr(wrapper, "_step_gradients"):
-        grads = wrapper._step_gradients()
-        return StageGradients(list(grads.tensors), grads.group)
-    # Before the wrappers shared `_step_gradients` (engine rework): their own accessors.
-    if hasattr(wrapper, "_gradients"):
-        return StageGradients(wrapper._gradients())
-    if hasattr(wrapper, "groups") and hasattr(wrapper, "dp_process_group"):
-        if wrapper._unreduced:
-            wrapper.backward_epilogue(is_boundary=True)
-        return StageGradients([g.partition_grad for g in wrapper.groups], wrapper.dp_process_group)
-    raise NotImplementedError(f"pipeline parallelism cannot read the gradients of {type(wrapper).__name__}")
+    grads = wrapper._step_gradients()
+    return StageGradients(list(grads.tensors), grads.group if grads.partitioned else None)
