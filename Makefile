@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # torch is pinned to the CPU wheel that lies on disk: a looser pin downloads gigabytes.
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean gpu-check
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
+
+# The GPU check (tests/cuda, marker `cuda`): accelerator, streams/events, pinned memory, offload
+# copies, ZeRO 0-3 over NCCL on every visible GPU, bf16, and the step-time / MFU benchmark against
+# DeepSpeed 0.19.8 (report: gpu-check-report.json). Needs a CUDA build of torch in GPU_PY's
+# environment; one command, under 10 minutes on one GPU.
+GPU_PY ?= $(PY)
+gpu-check: $(VENV)/.test
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: torch ' + torch.__version__ + ' sees no CUDA device; install a CUDA build of torch (or set GPU_PY)')"
+	timeout 600 $(GPU_PY) -m pytest -q -rs -m cuda tests/cuda --timeout 450
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/run.py

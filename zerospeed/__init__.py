@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from zerospeed.launcher import heartbeat as _heartbeat
 from zerospeed.utils.logging import log_dist, logger
 from zerospeed.version import (
     __git_branch__,
@@ -15,6 +16,7 @@ from zerospeed.version import (
     __version_patch__,
 )
 
+_heartbeat.install()  # under the launcher: the hang report's heartbeat and stack dump
 dist = None  # DeepSpeed's module global: `zerospeed.comm` once initialize() has run
 
 
@@ -35,9 +37,17 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                      distributed_port=distributed_port, dist_init_required=dist_init_required)
     dist = comm
     config = _resolve_config_source(args, config if config is not None else config_params)
-    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    _refuse_unimplemented_parallelism(config, mpu)
+    engine_class = DeepSpeedEngine
+    from zerospeed.runtime.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):  # DeepSpeed's rule: a PipelineModule gets the pipelined engine
+        from zerospeed.runtime.pipe.engine import PipelineEngine
+
+        engine_class, mpu = PipelineEngine, model.mpu()
+    engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
     from zerospeed.runtime.activation_checkpointing.checkpointing import configure_from_ds_config
 
     configure_from_ds_config(engine._config, mpu)
@@ -56,6 +66,30 @@ def _resolve_config_source(args: Any, config: Any) -> Any:
     return config
 
 
+def _refuse_unimplemented_parallelism(config: Any, mpu: Any) -> None:
+    """Clients switch tensor / sequence parallelism on by DeepSpeed version; zerospeed has neither
+    yet, so say so here rather than train a different model or fail deep inside."""
+    from zerospeed.runtime.config import load_ds_config
+
+    raw = load_ds_config(config)
+    tp = raw.get("tensor_parallel") if isinstance(raw.get("tensor_parallel"), dict) else {}
+    tp_size = tp.get("autotp_size", (tp.get("tp") or {}).get("tp_size", 1) if isinstance(tp.get("tp"), dict) else 1)
+    if isinstance(tp_size, int) and tp_size > 1:
+        raise NotImplementedError(f"tensor_parallel.autotp_size={tp_size}: tensor parallelism (AutoTP) is not "
+                                  "implemented in zerospeed yet; remove it from the ds_config")
+    sp_size = raw.get("sequence_parallel_size", 1)
+    mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if (isinstance(sp_size, int) and sp_size > 1) or (mpu_sp is not None and mpu_sp() > 1):
+        raise NotImplementedError("sequence parallelism (Ulysses / ALST, sequence_parallel_size > 1) is not "
+                                  "implemented in zerospeed yet")
+
+
+def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> Any:
+    """DeepSpeed's AutoTP entry point (transformers calls it when `tensor_parallel.autotp_size > 1`)."""
+    raise NotImplementedError(f"deepspeed.tp_model_init(tp_size={tp_size}): tensor parallelism (AutoTP) is not "
+                              "implemented in zerospeed yet; remove tensor_parallel.autotp_size from the ds_config")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's argparse group: --deepspeed, --deepspeed_config (and the deprecated deepscale)."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
@@ -67,15 +101,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-_LAZY_SUBMODULES = ("comm", "zero", "accelerator", "ops", "monitor", "profiling", "checkpoint", "launcher",
-                    "checkpointing", "pipe")
-
-
 def __getattr__(name: str) -> Any:
-    # Heavy pieces load on first use, so `import zerospeed` (and every launch) stays cheap.
+    # Heavy pieces load on first use, so `import zerospeed` (and every launch, and every client
+    # library's `find_spec("deepspeed")` check) stays cheap. Any submodule is reachable as an
+    # attribute after a bare import, as in DeepSpeed (`deepspeed.runtime.lr_schedules...`).
     import importlib
 
-    if name in _LAZY_SUBMODULES:
+    from zerospeed.utils.lazy_modules import find_submodule
+
+    if find_submodule(__name__, name):
         return importlib.import_module(f"zerospeed.{name}")
     if name == "init_distributed":
         from zerospeed.comm import init_distributed
@@ -108,5 +142,5 @@ __all__ = [
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedDataLoader", "DeepSpeedEngine", "DeepSpeedOptimizer",
     "__git_branch__", "__git_hash__", "__version__", "__version_major__", "__version_minor__",
     "__version_patch__", "add_config_arguments", "comm", "dist", "get_accelerator", "init_distributed",
-    "initialize", "log_dist", "logger",
+    "initialize", "log_dist", "logger", "tp_model_init",
 ]

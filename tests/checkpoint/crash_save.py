@@ -10,12 +10,14 @@ means DeepSpeed's `global_step<N>`). The batch of step N is a function of N and 
 Side files, written by rank 0 next to the save directory:
     <save_dir>.saving     created just before this run's first save (the kill watcher starts then)
     <save_dir>.progress   one line per save that returned on every rank: its global step
+    <save_dir>.timing     per save of this run: seconds from the marker to its start and its end
 ZS_TEST_CRASH_AT=<point>[@rank] with ZS_TEST_CRASH_STEP=<N> arms the named crash hook
 (ZEROSPEED_CHECKPOINT_CRASH_AT) for the save of step N only.
 """
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,7 @@ def main() -> None:
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(save_dir)), exist_ok=True)
         open(f"{save_dir}.saving", "w").close()
+    marked = time.monotonic()
     for step in range(engine.global_steps + 1, steps + 1):
         loss = engine(*batch(step, rank))
         engine.backward(loss)
@@ -64,10 +67,13 @@ def main() -> None:
         if crash_at and step == crash_step:
             os.environ[CRASH_ENV] = crash_at
         tag = tags[(step - 1) % len(tags)]
+        started = time.monotonic() - marked
         engine.save_checkpoint(save_dir, tag=None if tag == "default" else tag)
         if rank == 0:
             with open(f"{save_dir}.progress", "a") as progress:
                 progress.write(f"{step}\n")
+            with open(f"{save_dir}.timing", "a") as timing:
+                timing.write(f"{started:.4f} {time.monotonic() - marked:.4f}\n")
     print(f"rank {rank} done at step {engine.global_steps}", flush=True)
     os._exit(0)  # skip gloo's teardown (it can abort at exit)
 

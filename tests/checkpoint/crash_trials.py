@@ -74,9 +74,11 @@ def golden_run(golden_dir: str, stage: int, world_size: int, steps: int) -> Gold
     start = time.monotonic()
     _raise_or(finish(ranks))
     seconds_per_step = (time.monotonic() - start) / steps
+    with open(f"{golden_dir}.timing") as handle:
+        save_windows = [tuple(float(x) for x in line.split()) for line in handle if line.strip()]
     states = {step: get_fp32_state_dict_from_zero_checkpoint(golden_dir, tag=f"global_step{step}")
               for step in range(1, steps + 1)}
-    return Golden(stage, world_size, steps, states, seconds_per_step)
+    return Golden(stage, world_size, steps, states, seconds_per_step, save_windows)
 
 
 def completed_steps(save_dir: str) -> int:
@@ -116,6 +118,7 @@ class Golden:
     steps: int
     states: dict[int, dict[str, torch.Tensor]]
     seconds_per_step: float
+    save_windows: list[tuple[float, float]]  # (start, end) of the n-th save of a run, from its marker
 
 
 @dataclass
@@ -128,11 +131,13 @@ class TrialResult:
 
 def random_kill_trial(save_dir: str, golden: Golden, tags: str, rng: random.Random) -> TrialResult:
     """Resume the job in `save_dir` (start afresh once it has reached the last step) and SIGKILL
-    every rank at one random moment between its first save and its expected end; the ranks die in
-    random order, up to 20 ms apart. Then check what a load finds (`check_recovered`)."""
+    every rank at one random moment of one of its saves (a save picked at random, then a moment
+    uniform over the golden run's duration of that save, padded by 20% each side); the ranks die
+    in random order, up to 20 ms apart. Then check what a load finds (`check_recovered`)."""
     if completed_steps(save_dir) >= golden.steps:
-        for path in (f"{save_dir}.progress",):
-            os.remove(path)
+        for path in (f"{save_dir}.progress", f"{save_dir}.timing"):
+            if os.path.exists(path):
+                os.remove(path)
         subprocess.run(["rm", "-rf", save_dir], check=True)
     marker = f"{save_dir}.saving"
     if os.path.exists(marker):
@@ -141,7 +146,9 @@ def random_kill_trial(save_dir: str, golden: Golden, tags: str, rng: random.Rand
     ranks = start_ranks(save_dir, golden.stage, golden.world_size, golden.steps, tags)
     while not os.path.exists(marker) and all(r.poll() is None for r in ranks):
         time.sleep(0.002)
-    time.sleep(rng.uniform(0, remaining * golden.seconds_per_step))
+    start, end = golden.save_windows[rng.randrange(remaining)]
+    pad = 0.2 * (end - start)
+    time.sleep(max(0.0, rng.uniform(start - pad, end + pad)))
     killed = False
     for rank in rng.sample(ranks, len(ranks)):
         if rank.poll() is None:

@@ -2,22 +2,19 @@
 
 Reading theirs needs no DeepSpeed: the fixtures under fixtures/deepspeed_0_19_8/ were written by
 fixtures/make_deepspeed_fixtures.py (2 gloo ranks, stages 1-3) with what DeepSpeed itself reported
-as every parameter's fp32 master and Adam moments (`expected.pt`). DeepSpeed reading ours runs
-its zero_to_fp32 in a subprocess and is skipped when deepspeed is not installed.
+as every parameter's fp32 master and Adam moments (`expected.pt`); they also cover loading them at
+another world size. Both directions with live DeepSpeed, at stages 0-3 and in bf16, are in
+tests/compat/ (test_checkpoint_interop.py, test_zero_to_fp32.py).
 """
 
-import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import zerospeed
 from distributed import run_on_ranks
-from test_engine_checkpoint import make_engine, train, zero_section
-from test_resharding import BATCHES
+from test_engine_checkpoint import zero_section
 
 from zerospeed.checkpoint.layout import find_model_files
 from zerospeed.checkpoint.manifest import load_file
@@ -67,33 +64,3 @@ def test_our_zero_to_fp32_reads_deepspeed_checkpoint(stage):
     assert state.keys() == expected.keys()
     for name, want in expected.items():
         assert torch.equal(state[name], want["fp32"]), name
-
-
-def _train_and_save(stage, save_dir):
-    engine = make_engine(stage, "fp32")
-    train(engine, BATCHES[:2])
-    engine.save_checkpoint(save_dir)
-
-
-_DEEPSPEED_READER = """
-import sys, torch
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-torch.save({d: dict(get_fp32_state_dict_from_zero_checkpoint(d)) for d in sys.argv[2:]}, sys.argv[1])
-"""
-
-
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed "
-                    "(CI installs only the test extra; the committed fixtures cover the other direction)")
-def test_deepspeed_zero_to_fp32_reads_our_checkpoints(tmp_path):
-    dirs = [str(tmp_path / f"stage{stage}") for stage in (1, 2, 3)]
-    for stage, save_dir in zip((1, 2, 3), dirs):
-        run_on_ranks(_train_and_save, 2, stage, save_dir)
-    out = str(tmp_path / "deepspeed.pt")
-    subprocess.run([sys.executable, "-c", _DEEPSPEED_READER, out, *dirs], check=True, capture_output=True,
-                   env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
-    theirs = torch.load(out, weights_only=True)
-    for save_dir in dirs:
-        ours = get_fp32_state_dict_from_zero_checkpoint(save_dir)
-        assert theirs[save_dir].keys() == ours.keys(), save_dir
-        for name in ours:
-            assert torch.equal(theirs[save_dir][name], ours[name]), (save_dir, name)

@@ -9,6 +9,8 @@ import zerospeed
 from distributed import run_on_ranks
 from parity import global_batches, make_model, micro_batch
 
+from zerospeed.checkpoint.deepspeed_compat import DEEPSPEED_GLOBALS
+
 GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER = 12, 3, 5
 PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
@@ -74,5 +76,11 @@ def test_resume_continues_bitwise(stage, dtype, tmp_path):
     assert (tmp_path / "latest").read_text() == f"global_step{STEPS_BEFORE}"
     assert (tmp_path / "zero_to_fp32.py").exists()
     for name in os.listdir(tmp_path / f"global_step{STEPS_BEFORE}"):
-        if name.endswith(".pt"):
+        # Model files hold only torch and plain types. Optim files also hold DeepSpeed's loss
+        # scaler / stage / fragment classes (so DeepSpeed can resume from them), which load
+        # weights-only through exactly that allowlist of four inert stand-ins.
+        if name.endswith("_model_states.pt"):
             torch.load(tmp_path / f"global_step{STEPS_BEFORE}" / name, weights_only=True)
+        elif name.endswith(".pt"):
+            with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+                torch.load(tmp_path / f"global_step{STEPS_BEFORE}" / name, weights_only=True)

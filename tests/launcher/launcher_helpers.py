@@ -53,3 +53,14 @@ def alive(pids):
         except psutil.NoSuchProcess:
             pass
     return living
+
+
+# Fail-fast bounds, from the moment a rank raises (or the signal is sent) to the launcher's exit.
+# Measured at 0.2-2.5 s on a loaded 2-core machine; a launcher that waited out a 5 s grace period
+# before stopping the other ranks would exceed them.
+FAIL_FAST_S = 4.5
+
+
+def seconds_since_raise(pid_dir):
+    with open(os.path.join(pid_dir, "raised_at")) as f:
+        return time.time() - float(f.read())

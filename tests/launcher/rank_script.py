@@ -1,8 +1,10 @@
 """The script the launcher tests run as every rank: ``rank_script.py [--local_rank=N] MODE PID_DIR``.
 
 Modes: ``env`` (gloo all_reduce, print the env as JSON), ``raise`` (rank 1 raises, the others
-sleep), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
-the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds). Every rank writes its pid and the pid
+sleep), ``raise_both`` (every rank raises the same error), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
+the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds), ``hang`` (rank 1 loops outside any
+collective while rank 0 waits in a zerospeed all_reduce), ``slow`` (a step of ``ZS_TEST_SLOW_S``
+seconds on every rank between two all_reduces: slow, not hung). Every rank writes its pid and the pid
 of a forked ``sleep`` child into PID_DIR, so a test can check that nothing of the job is left.
 """
 
@@ -37,8 +39,38 @@ if mode == "env":
 elif mode == "raise":
     if rank == 1:
         time.sleep(0.5)
+        with open(os.path.join(pid_dir, "raised_at"), "w") as f:  # fail-fast is timed from here
+            f.write(repr(time.time()))
         raise RuntimeError("boom from rank one")
     time.sleep(300)
+elif mode == "raise_both":  # the same exception on both ranks, rank 1 first; SIGTERM is ignored
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def fail():
+        raise RuntimeError("boom from every rank")
+
+    time.sleep(0.5 if rank == 1 else 1.5)
+    fail()
+elif mode in ("hang", "slow"):
+    import torch
+
+    from zerospeed import comm
+
+    def stuck_in_data_loader():  # the frame the hang report must show for rank 1
+        while True:
+            time.sleep(0.05)
+
+    comm.init_distributed("gloo", verbose=False)
+    comm.all_reduce(torch.ones(1))
+    if mode == "hang" and rank == 1:
+        stuck_in_data_loader()
+    if mode == "slow":
+        time.sleep(float(os.environ["ZS_TEST_SLOW_S"]))
+    comm.all_reduce(torch.ones(1))
+    child.kill()
+    os._exit(0)
 elif mode == "sleep":
     time.sleep(300)
 elif mode == "teardown":

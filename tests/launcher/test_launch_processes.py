@@ -8,7 +8,17 @@ import sys
 import time
 
 import pytest
-from launcher_helpers import SCRIPT, alive, env, free_port, job_pids, launcher_argv, wait_for_pid_files
+from launcher_helpers import (
+    FAIL_FAST_S,
+    SCRIPT,
+    alive,
+    env,
+    free_port,
+    job_pids,
+    launcher_argv,
+    seconds_since_raise,
+    wait_for_pid_files,
+)
 
 
 def test_two_ranks_see_deepspeeds_env_and_all_reduce(tmp_path):
@@ -29,18 +39,28 @@ def test_two_ranks_see_deepspeeds_env_and_all_reduce(tmp_path):
 
 
 def test_a_rank_that_raises_stops_the_job_fast(tmp_path):
-    start = time.monotonic()
     proc = subprocess.Popen(launcher_argv("--num_gpus", "2", SCRIPT, "raise", str(tmp_path)),
                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = wait_for_pid_files(tmp_path, 2)
     _, stderr = proc.communicate(timeout=60)
-    elapsed = time.monotonic() - start
+    elapsed = seconds_since_raise(tmp_path)
     assert proc.returncode != 0
-    assert elapsed < 30, f"fail-fast took {elapsed:.1f} s"
+    assert elapsed < FAIL_FAST_S, f"fail-fast took {elapsed:.1f} s after the raise"
     final = stderr[stderr.rindex("zerospeed: rank 1 on host localhost failed"):]
     assert "traceback of rank 1 (local_rank 1) on host localhost" in final
     assert "RuntimeError: boom from rank one" in final
+    assert stderr.count("RuntimeError: boom from rank one") == 1, "the traceback is printed once, in the final report"
     assert alive(pids) == [], "processes of the job are left"
+
+
+def test_one_traceback_raised_by_every_rank_is_printed_once_with_its_ranks(tmp_path):
+    """Issue 14.5: each distinct traceback once, with the ranks that raised it."""
+    out = subprocess.run(launcher_argv("--num_gpus", "2", SCRIPT, "raise_both", str(tmp_path)),
+                         env=env(ZS_KILL_GRACE_S="5"), check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("RuntimeError: boom from every rank") == 1, out.stderr
+    assert "---- traceback of ranks 0, 1 (local_ranks 0, 1) on host localhost ----" in out.stderr
+    assert alive(job_pids(tmp_path, 2)) == []
 
 
 def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
@@ -51,7 +71,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < FAIL_FAST_S
     assert alive(pids) == []
     assert "launcher received SIGTERM" in stderr
 
@@ -102,7 +122,8 @@ def test_gloo_teardown_abort(tmp_path, others_s, grace_s, ok):
     else:
         assert out.returncode == 128 + signal.SIGABRT
         assert "rank 1 on host localhost failed (killed by SIGABRT)" in out.stderr
-        assert time.monotonic() - start < 30
+        # start-up of two ranks on a loaded machine, then the 1 s grace and the teardown
+        assert time.monotonic() - start < 20
     assert alive(job_pids(tmp_path, 2)) == []
 
 

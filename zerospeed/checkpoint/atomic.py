@@ -31,9 +31,8 @@ import shutil
 import signal
 from typing import Any
 
-import torch
-
 from zerospeed import comm
+from zerospeed.checkpoint.deepspeed_compat import save_with_deepspeed_names
 from zerospeed.checkpoint.layout import LATEST
 from zerospeed.checkpoint.manifest import file_entry, merge_manifest_parts, write_manifest_part
 
@@ -128,7 +127,7 @@ class CheckpointTransaction:
     def write(self, name: str, obj: Any) -> None:
         path = os.path.join(self.tmp_dir, name)
         with open(path, "wb") as handle:
-            torch.save(obj, handle)
+            save_with_deepspeed_names(obj, handle)
             handle.flush()
             if os.environ.get(CRASH_ENV, "").startswith("mid_file"):
                 handle.truncate(handle.tell() // 2)

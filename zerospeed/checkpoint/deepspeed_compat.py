@@ -1,47 +1,68 @@
-"""Reading checkpoint files written by DeepSpeed, without arbitrary unpickling.
+"""DeepSpeed's pickled checkpoint classes: read without DeepSpeed, and written under its names.
 
 DeepSpeed's optim files pickle four of its classes (reference §7.3): the loss scaler (static or
-dynamic), `ZeroStageEnum` and the stage 1/2 `fragment_address`. Instead of importing DeepSpeed
-or unpickling blindly, the weights-only unpickler is given inert stand-ins registered under
-exactly those four names (nothing else is allowed), and the result is turned into the plain
-types our own files hold: loss scaler -> dict, stage -> int, fragment -> {"numel", "start"},
-tensors detached.
+dynamic), `ZeroStageEnum` and the stage 1/2 `fragment_address`; its loaders use them as objects
+(`loss_scaler.scale_loss(...)`), so a plain dict in their place breaks DeepSpeed's resume.
+
+Reading: the weights-only unpickler is given inert stand-ins registered under exactly those four
+names (nothing else is allowed), and the result is turned into the plain types zerospeed's
+loaders use: loss scaler -> dict, stage -> int, fragment -> {"numel", "start"}, tensors detached.
+
+Writing (`save_with_deepspeed_names`): the same stand-ins are pickled under DeepSpeed's module
+paths. pickle normally records a class by its own `__module__`/`__qualname__` and checks that
+importing that path gives the same object; the pure-Python pickler below writes DeepSpeed's path
+for the four stand-ins instead, so the file needs no DeepSpeed to be written and DeepSpeed's
+`torch.load` finds its real classes in it (instance state is a plain attribute dict, which is
+all DeepSpeed's classes keep). Everything else pickles as usual.
 """
 
 from __future__ import annotations
 
+import pickle
+import types
 from collections import OrderedDict
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-__all__ = ["DEEPSPEED_GLOBALS", "load_deepspeed_file", "to_plain_deepspeed"]
+__all__ = ["DEEPSPEED_GLOBALS", "DeepSpeedLossScaler", "DeepSpeedDynamicLossScaler", "DeepSpeedZeroStage",
+           "DeepSpeedFragmentAddress", "load_deepspeed_file", "to_plain_deepspeed", "save_with_deepspeed_names"]
 
 
-class _LossScaler:
+class DeepSpeedLossScaler:
     """Stand-in for deepspeed.runtime.fp16.loss_scaler.LossScaler: only its attributes."""
 
     dynamic = False
 
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
 
-class _DynamicLossScaler(_LossScaler):
+
+class DeepSpeedDynamicLossScaler(DeepSpeedLossScaler):
     dynamic = True
 
 
-class _ZeroStageEnum(int):
+class DeepSpeedZeroStage(int):
     """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (int(self),)   # as an Enum member pickles: the class called with its value
 
-class _FragmentAddress:
-    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (numel, start)."""
+
+class DeepSpeedFragmentAddress:
+    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (a dataclass: numel, start)."""
+
+    def __init__(self, numel: int = 0, start: int = 0) -> None:
+        self.numel, self.start = numel, start
 
 
 DEEPSPEED_GLOBALS: list[tuple[type, str]] = [
-    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (_ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-    (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (DeepSpeedLossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DeepSpeedDynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (DeepSpeedZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (DeepSpeedFragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]
+_DEEPSPEED_NAME_OF = {cls: path for cls, path in DEEPSPEED_GLOBALS}
 
 
 def load_deepspeed_file(path: str, mmap: bool = False) -> Any:
@@ -53,11 +74,12 @@ def load_deepspeed_file(path: str, mmap: bool = False) -> Any:
 def to_plain_deepspeed(obj: Any) -> Any:
     if torch.is_tensor(obj):
         return obj.detach()   # DeepSpeed saves its fp32 partitions as Parameters (requires_grad)
-    if isinstance(obj, _LossScaler):
-        return {**vars(obj), "dynamic": bool(vars(obj).get("dynamic", obj.dynamic))}
-    if isinstance(obj, _ZeroStageEnum):
+    if isinstance(obj, DeepSpeedLossScaler):
+        state = {k: v for k, v in vars(obj).items() if k != "dtype"}
+        return {**state, "dynamic": bool(state.get("dynamic", obj.dynamic))}
+    if isinstance(obj, DeepSpeedZeroStage):
         return int(obj)
-    if isinstance(obj, _FragmentAddress):
+    if isinstance(obj, DeepSpeedFragmentAddress):
         return {"numel": int(vars(obj)["numel"]), "start": int(vars(obj)["start"])}
     if isinstance(obj, OrderedDict):
         return OrderedDict((k, to_plain_deepspeed(v)) for k, v in obj.items())
@@ -66,3 +88,26 @@ def to_plain_deepspeed(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(to_plain_deepspeed(v) for v in obj)
     return obj
+
+
+class _DeepSpeedNamesPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """The pure-Python pickler (the C one cannot be overridden per class) writing DeepSpeed's
+    module path for the stand-ins, without importing it."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        path = _DEEPSPEED_NAME_OF.get(obj)
+        if path is None:
+            super().save_global(obj, name)
+            return
+        module, _, qualname = path.rpartition(".")
+        self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + qualname.encode("ascii") + b"\n")
+        self.memoize(obj)
+
+
+_PICKLE_MODULE = types.ModuleType("zerospeed_deepspeed_names_pickle")
+_PICKLE_MODULE.Pickler = _DeepSpeedNamesPickler  # type: ignore[attr-defined]
+
+
+def save_with_deepspeed_names(obj: Any, handle: IO[bytes]) -> None:
+    """torch.save, with the stand-ins recorded under DeepSpeed's class paths."""
+    torch.save(obj, handle, pickle_module=_PICKLE_MODULE)

@@ -60,7 +60,11 @@ def merge_manifest_parts(tmp_dir: str, tag: str, world_size: int) -> dict[str, A
     for part in parts:
         with open(part) as handle:
             files.update(json.load(handle))
-    manifest = {"version": MANIFEST_VERSION, "tag": tag, "files": dict(sorted(files.items()))}
+    from zerospeed.version import __version__
+
+    # `ds_version` in the files is the DeepSpeed format followed; who wrote them is recorded here
+    manifest = {"version": MANIFEST_VERSION, "tag": tag, "writer": f"zerospeed {__version__}",
+                "files": dict(sorted(files.items()))}
     write_text_durably(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1))
     for part in parts:
         os.remove(part)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION
 from zerospeed.checkpoint.zero_checkpoint import stage0_optimizer_entry, trainable_names_per_group
-from zerospeed.version import __version__
 
 __all__ = ["build_model_states", "persistent_buffer_names", "shared_param_names"]
 
@@ -87,7 +87,7 @@ def build_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen
         C.MP_WORLD_SIZE: 1,
         C.CHECKPOINT_PARALLEL_DIMENSIONS: {"pp_degree": 1, "tp_degree": 1},
         C.DS_CONFIG: engine._config._param_dict,
-        C.DS_VERSION: __version__,
+        C.DS_VERSION: DEEPSPEED_FORMAT_VERSION,   # the format we follow; zerospeed's version: manifest
     }
     state.update(client_state)
     return state

@@ -20,6 +20,7 @@ import torch
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, export_zero3, export_zero12,
                                              fragment_bounds)
+from zerospeed.checkpoint.deepspeed_format import stage0_for_deepspeed, stage0_from_deepspeed
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.runtime.zero.param_state import rank_span
@@ -80,9 +81,22 @@ def stage0_param_names(engine: Any) -> tuple[list[list[str]], list[list[bool]]]:
 
 
 def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
-    """The model file's `optimizer` at stage 0: the wrapper's state dict plus param names."""
+    """The model file's `optimizer` at stage 0, in DeepSpeed's shape (deepspeed_format.py), with
+    the param names that make it reshardable."""
     state = engine.optimizer.state_dict()
     state["param_names"], state["trainable"] = stage0_param_names(engine)
+    return stage0_for_deepspeed(state, [len(g["params"]) for g in engine.optimizer.optimizer.param_groups])
+
+
+def stage0_wrapper_state(engine: Any, entry: dict[str, Any]) -> dict[str, Any]:
+    """A saved stage-0 entry (DeepSpeed's or ours) as our stage-0 wrapper state, named by param.
+    DeepSpeed's entry has no names: at stage 0 this run's optimizer order names it (same model,
+    same order); loading it at another stage needs the names and raises in export_stage0."""
+    at_stage0 = engine.zero_optimization_stage() == 0 and engine.optimizer is not None
+    groups = [list(g["params"]) for g in engine.optimizer.optimizer.param_groups] if at_stage0 else None
+    state = stage0_from_deepspeed(entry, groups, getattr(engine.optimizer, "clip_grad", 0.0))
+    if "param_names" not in state and at_stage0:
+        state["param_names"], state["trainable"] = stage0_param_names(engine)
     return state
 
 
@@ -90,6 +104,8 @@ def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
 def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str, Any],
                          load_optimizer_states: bool) -> None:
     stage, dp_rank = engine.zero_optimization_stage(), _dp_rank(engine)
+    if saved.zero_stage == 0 and model_state.get(C.OPTIMIZER) is not None:
+        model_state = {**model_state, C.OPTIMIZER: stage0_wrapper_state(engine, model_state[C.OPTIMIZER])}
     if not load_optimizer_states:
         _restore_weights(engine, saved, model_state)
         return
@@ -113,7 +129,7 @@ def _stage0_precision_changed(engine: Any, saved: SavedLayout, model_state: dict
 
 def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOptimizerState:
     if saved.zero_stage == 0:
-        return export_stage0(model_state[C.OPTIMIZER], model_state[C.MODULE])
+        return export_stage0(stage0_from_deepspeed(model_state[C.OPTIMIZER], None, 0.0), model_state[C.MODULE])
     if saved.zero_stage in (1, 2):
         verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
         return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.comm.comms_logger import comms_logger, logged
+from zerospeed.launcher import heartbeat
 
 ReduceOp = dist.ReduceOp
 _DEFAULT_TIMEOUT_MIN = 10
@@ -243,5 +244,5 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
 
 def barrier(group: Any = None) -> None:
     if is_initialized():
-        with comms_logger.timed("barrier", get_world_size(group), 0, False):
+        with heartbeat.collective("barrier"), comms_logger.timed("barrier", get_world_size(group), 0, False):
             dist.barrier(group=group)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from zerospeed.launcher import heartbeat
+
 
 @dataclasses.dataclass(frozen=True)
 class CommRecord:
@@ -106,6 +108,11 @@ def logged(op: str, msg_tensor_arg: Callable[..., Any]) -> Callable[[Callable[..
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with heartbeat.collective(op):  # for the launcher's hang report; a no-op without it
+                result = call(*args, **kwargs)
+            return heartbeat.track_work(result, op)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
             if not comms_logger.wants(op):
                 return fn(*args, **kwargs)
             from zerospeed.comm.comm import get_world_size

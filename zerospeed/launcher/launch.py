@@ -9,7 +9,8 @@ Environment of every rank (DeepSpeed's names): ``RANK``, ``LOCAL_RANK``, ``WORLD
 ``LOCAL_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``CROSS_RANK`` (node rank), ``CROSS_SIZE``
 (number of nodes), ``CUDA_VISIBLE_DEVICES`` (this node's slots, when the node has CUDA), and
 ``--local_rank=N`` before the script's own arguments unless ``--no_local_rank``.
-This module imports no training code, and torch only for multi-node jobs (the abort store).
+This module imports no training code, and torch only for multi-node jobs (the abort store), after
+the ranks have started (so a rank's start never waits for the launcher's torch import).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import threading
 import time
 
 from zerospeed.launcher.hostfile import decode_world_info
+from zerospeed.launcher.hang import HangWatch, hang_timeout_s
 from zerospeed.launcher.lifeline import Guard
-from zerospeed.launcher.rank_process import RankProcess, RankSpec
+from zerospeed.launcher.rank_process import RankProcess, RankSpec, stop_all
 from zerospeed.launcher.supervisor import AbortChannel, Outcome, supervise
 
 __all__ = ["build_rank_specs", "check_node", "main", "version_tag"]
@@ -155,17 +157,35 @@ def start_ranks(args: argparse.Namespace, host: str, specs: list[RankSpec], run_
     return ranks
 
 
-def report(outcome: Outcome, host: str) -> None:
-    """The final lines: the failing rank's traceback, labelled, or why the node stopped."""
+def report(outcome: Outcome, host: str, ranks: list[RankProcess] | None = None) -> None:
+    """The final lines: each distinct traceback once, with the ranks that raised it (the failing
+    rank's first), or why the node stopped."""
     if outcome.failed is not None:
-        f = outcome.failed
         bar = "=" * 72
-        print(f"\n{bar}\nzerospeed: {outcome.reason}\n"
-              f"---- traceback of rank {f.spec.rank} (local_rank {f.spec.local_rank}) on host {host} ----\n"
-              f"{f.failure_text()}\n{bar}", file=sys.stderr, flush=True)
-    elif outcome.reason:
+        blocks = [f"---- traceback of {_rank_names(group)} on host {host} ----\n{text}"
+                  for text, group in distinct_tracebacks(outcome.failed, ranks or [outcome.failed])]
+        print(f"\n{bar}\nzerospeed: {outcome.reason}\n" + "\n".join(blocks) + f"\n{bar}",
+              file=sys.stderr, flush=True)
+    elif outcome.reason and not outcome.reported:
         level = "warning" if outcome.exit_code == 0 else "error"
         print(f"zerospeed: {level}: {outcome.reason} (host {host})", file=sys.stderr, flush=True)
+
+
+def distinct_tracebacks(failed: RankProcess, ranks: list[RankProcess]) -> list[tuple[str, list[RankProcess]]]:
+    """(traceback, ranks that raised it) per distinct traceback, the failing rank's group first."""
+    groups: dict[str, list[RankProcess]] = {failed.failure_text().rstrip(): [failed]}
+    for rank in ranks:
+        text = rank.held_traceback() if rank is not failed else None
+        if text:
+            groups.setdefault(text, []).append(rank)
+    return [(text, sorted(group, key=lambda r: r.spec.rank)) for text, group in groups.items()]
+
+
+def _rank_names(group: list[RankProcess]) -> str:
+    if len(group) == 1:
+        return f"rank {group[0].spec.rank} (local_rank {group[0].spec.local_rank})"
+    return (f"ranks {', '.join(str(r.spec.rank) for r in group)} "
+            f"(local_ranks {', '.join(str(r.spec.local_rank) for r in group)})")
 
 
 def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int]) -> int:
@@ -175,28 +195,41 @@ def run(args: argparse.Namespace, stop: threading.Event, stop_signal: list[int])
     command = child_command(args.training_script, args.training_script_args, args.module, args.no_python)
     specs = build_rank_specs(world_info, args.node_rank, args.master_addr, args.master_port,
                              command, args.no_local_rank, _uses_cuda())
-    channel = None
-    if len(world_info) > 1:
-        channel = AbortChannel(args.master_addr, args.master_port, args.node_rank, len(world_info))
+    multi_node = len(world_info) > 1
+    if multi_node:
         for spec in specs:
             spec.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     pid_file = os.path.join(PID_FILE_DIR, f"{args.save_pid}.zerospeed") if args.save_pid else None
     with tempfile.TemporaryDirectory(prefix="zerospeed-launch-") as run_dir:
+        watch = HangWatch(run_dir, hang_timeout_s(), host)
+        watch.prepare(specs)
         guard = Guard()
         ranks = start_ranks(args, host, specs, run_dir, guard)
         _log(args, f"node {args.node_rank} ({host}): ranks {specs[0].rank}..{specs[-1].rank} "
                    f"of {specs[0].env['WORLD_SIZE']}, pids {[r.pid for r in ranks]}")
         try:
+            # Made after the ranks started: this launcher's `import torch` (seconds on a loaded
+            # machine) overlaps theirs, and their rendezvous waits for node 0's store.
+            channel = _abort_channel(args, world_info, ranks) if multi_node else None
             if pid_file:
                 with open(pid_file, "w") as f:
                     f.write("\n".join(str(p) for p in [os.getpid(), *(r.pid for r in ranks)]) + "\n")
-            outcome = supervise(ranks, stop, stop_signal, channel)
+            outcome = supervise(ranks, stop, stop_signal, channel, watch)
             guard.close()  # the ranks are stopped; otherwise the guard stops them as the launcher exits
         finally:
             if pid_file and os.path.exists(pid_file):
                 os.remove(pid_file)
-        report(outcome, host)
+        report(outcome, host, ranks)
         return outcome.exit_code
+
+
+def _abort_channel(args: argparse.Namespace, world_info: dict[str, list[int]],
+                   ranks: list[RankProcess]) -> AbortChannel:
+    try:
+        return AbortChannel(args.master_addr, args.master_port, args.node_rank, len(world_info))
+    except BaseException:
+        stop_all(ranks, 0)
+        raise
 
 
 def install_signal_handlers() -> tuple[threading.Event, list[int]]:

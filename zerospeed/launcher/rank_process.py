@@ -5,7 +5,10 @@ Each rank is started in a new session (``start_new_session=True``, as torch elas
 ``SubprocessHandler`` does), so the rank and everything it forks (data loader workers,
 compilers) form one process group that ``os.killpg`` stops at once. Its stderr goes through a
 pipe: a thread copies every line to the launcher's stderr (or the rank's log file) and keeps the
-last lines, so the failing rank's traceback can be printed again, labelled, at the end.
+last lines. A Python traceback on the launcher's stderr is held back instead of copied (released
+if the rank goes on running, i.e. it was only logged): the final report prints each distinct
+traceback once, with the ranks that raised it (``launch.report``), not every rank's copy and then
+a repeat.
 
 A script decorated with torch elastic's ``@record`` also writes a structured error file
 (``TORCHELASTIC_ERROR_FILE``); when present its traceback is preferred over the stderr tail.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import os
 import signal
 import subprocess
@@ -38,6 +42,9 @@ from zerospeed.launcher.lifeline import parent_death_preexec
 __all__ = ["RankProcess", "RankSpec", "stop_all"]
 
 _TAIL_LINES = 200
+_TRACEBACK = "Traceback (most recent call last)"
+_RANK_PREFIX = re.compile(r"^\[(default)?rank\d+\]:\s?")  # torch's per-rank prefix on tracebacks
+_HELD_RELEASE_S = 3.0
 _TEARDOWN_MESSAGE = "terminate called without an active exception"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 
@@ -61,6 +68,9 @@ class RankProcess:
         self.error_file = error_file
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._log: IO[bytes] | None = open(log_path, "ab") if log_path else None  # noqa: SIM115
+        self._held: list[bytes] = []  # a traceback held back from the launcher's stderr
+        self._held_at = 0.0
+        self._held_lock = threading.Lock()
         env = {**os.environ, **spec.env, "TORCHELASTIC_ERROR_FILE": error_file}
         self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.PIPE,
@@ -73,12 +83,32 @@ class RankProcess:
         assert self.proc.stderr is not None
         sink = self._log if self._log is not None else sys.stderr.buffer
         for line in iter(self.proc.stderr.readline, b""):
-            self._tail.append(line.decode(errors="replace").rstrip("\n"))
-            try:
-                sink.write(line)
-                sink.flush()
-            except (OSError, ValueError):  # our own stderr is gone (e.g. ssh closed): keep the tail
-                pass
+            text = line.decode(errors="replace").rstrip("\n")
+            self._tail.append(text)
+            if self._log is None:
+                with self._held_lock:
+                    if self._held or _TRACEBACK in text:
+                        self._held.append(line)
+                        self._held_at = time.monotonic()
+                        continue
+            _write(sink, [line])
+
+    def release_held(self) -> None:
+        """A rank still running well after its traceback only logged it: copy it out now."""
+        with self._held_lock:
+            if not self._held or self.poll() is not None or time.monotonic() - self._held_at < _HELD_RELEASE_S:
+                return
+            lines, self._held = self._held, []
+        _write(sys.stderr.buffer, lines)
+
+    def held_traceback(self) -> str | None:
+        """The traceback this rank died with (held back from the live stream), without torch's
+        ``[rankN]:`` prefixes so that equal tracebacks of different ranks compare equal."""
+        self._tee.join(timeout=1.0)
+        with self._held_lock:
+            lines = [_RANK_PREFIX.sub("", line.decode(errors="replace").rstrip("\n")) for line in self._held]
+        starts = [i for i, line in enumerate(lines) if _TRACEBACK in line]
+        return "\n".join(lines[starts[-1]:]).rstrip() if starts else None
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -123,11 +153,19 @@ class RankProcess:
         from_file = _read_error_file(self.error_file)
         if from_file:
             return from_file
-        lines = list(self._tail)
+        lines = [_RANK_PREFIX.sub("", line) for line in self._tail]
         starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
         if starts:
             return "\n".join(lines[starts[-1]:])
         return "\n".join(lines[-30:]) if lines else "(the rank wrote nothing to stderr)"
+
+
+def _write(sink: IO[bytes], lines: list[bytes]) -> None:
+    try:
+        sink.writelines(lines)
+        sink.flush()
+    except (OSError, ValueError):  # our own stderr is gone (e.g. ssh closed): the tail is kept
+        pass
 
 
 def _read_error_file(path: str) -> str | None:

@@ -30,11 +30,12 @@ from zerospeed.launcher import launch
 from zerospeed.launcher.hostfile import DEFAULT_HOSTFILE, active_resources, encode_world_info, fetch_hostfile
 from zerospeed.launcher.multinode_runner import Job, build_plan
 
-__all__ = ["main", "parse_args"]
+__all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "main", "parse_args"]
 
 EXPORT_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "MLFLOW", "UCX_", "MV2_", "ZS_", "DS_", "TORCH_", "OMP_")
 EXPORT_NAMES = ("PATH", "LD_LIBRARY_PATH")
 ENV_FILE = ".deepspeed_env"
+DEEPSPEED_ENVIRONMENT_NAME = ENV_FILE  # DeepSpeed's name for it (accelerate imports this one)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

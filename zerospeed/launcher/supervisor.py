@@ -9,7 +9,10 @@
   (SIGTERM, then SIGKILL after ``ZS_KILL_GRACE_S``, default 5 s) -> that rank's exit code;
 - another node raised the abort, or this node lost its connection to the job's store ->
   every local rank is stopped -> exit 1;
-- SIGINT / SIGTERM / SIGHUP reached the launcher -> every local rank is stopped -> 128 + signal.
+- SIGINT / SIGTERM / SIGHUP reached the launcher -> every local rank is stopped -> 128 + signal;
+- a rank has waited in one collective for longer than ``ZS_HANG_TIMEOUT_S`` (or another node
+  reported such a hang) -> every local rank's stack is printed, the ranks not in a collective
+  named, every rank stopped -> 124 ([Note: hang report] in heartbeat.py).
 
 The abort channel exists only for multi-node jobs: the node-0 launcher hosts a ``TCPStore`` on
 ``MASTER_PORT`` and the ranks reuse it (``TORCHELASTIC_USE_AGENT_STORE=True``, the way torch
@@ -30,6 +33,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import sys
+
+from zerospeed.launcher.hang import ABORT_PREFIX, HANG_EXIT_CODE, HangWatch
 from zerospeed.launcher.rank_process import RankProcess, stop_all
 
 __all__ = ["AbortChannel", "Outcome", "supervise"]
@@ -91,6 +97,7 @@ class Outcome:
     exit_code: int
     failed: RankProcess | None = None
     reason: str = ""
+    reported: bool = False  # the supervisor already printed the details (a hang report)
 
 
 def _first_failure(ranks: list[RankProcess], suspects: dict[int, float]) -> RankProcess | None:
@@ -116,8 +123,8 @@ def _first_failure(ranks: list[RankProcess], suspects: dict[int, float]) -> Rank
 
 
 def supervise(ranks: list[RankProcess], stop: threading.Event, stop_signal: list[int],
-              channel: AbortChannel | None = None) -> Outcome:
-    """Wait for the ranks; stop all of them on the first failure, abort or signal."""
+              channel: AbortChannel | None = None, watch: HangWatch | None = None) -> Outcome:
+    """Wait for the ranks; stop all of them on the first failure, abort, signal or hang."""
     kill_grace_s = _env_float("ZS_KILL_GRACE_S", 5)
     suspects: dict[int, float] = {}
     while True:
@@ -142,10 +149,26 @@ def supervise(ranks: list[RankProcess], stop: threading.Event, stop_signal: list
             stop_all(ranks, kill_grace_s)
             return Outcome(128 + signum, reason=reason)
         message = channel.poll() if channel is not None else None
+        if message is not None and message.startswith(ABORT_PREFIX) and watch is not None:
+            return _end_hung_job(ranks, watch, f"{message} (reported by another node)", None, kill_grace_s)
         if message is not None:
             stop_all(ranks, kill_grace_s)
             return Outcome(1, reason=f"stopped: {message}")
+        for rank in ranks:
+            rank.release_held()
+        summary = watch.check(ranks) if watch is not None else None
+        if summary is not None:
+            return _end_hung_job(ranks, watch, summary, channel, kill_grace_s)
         stop.wait(0.1)
+
+
+def _end_hung_job(ranks: list[RankProcess], watch: HangWatch, summary: str,
+                  channel: AbortChannel | None, kill_grace_s: float) -> Outcome:
+    print(watch.report(ranks, summary), file=sys.stderr, flush=True)
+    if channel is not None:
+        channel.raise_abort(summary)
+    stop_all(ranks, kill_grace_s)
+    return Outcome(HANG_EXIT_CODE, reason=summary, reported=True)
 
 
 def _teardown_warning(ranks: list[RankProcess], suspects: dict[int, float]) -> str:

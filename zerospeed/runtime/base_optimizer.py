@@ -10,21 +10,65 @@ gradient communication. Per micro-batch the engine calls
     scaled.backward()
     wrapper.backward_epilogue(is_boundary)       # skipped inside engine.no_sync()
 
-and at the accumulation boundary `wrapper.step()` then `wrapper.zero_grad()`. `step()` reduces
-what is still unreduced, checks for overflow (setting `self.overflow`; the loss scaler is
-updated on every step), computes `_global_grad_norm` (unscaled), unscales and clips, runs the
-base optimizer and makes the updated parameters visible to the module. The scheduler drives
-`param_groups`, which are the base optimizer's.
+and at the accumulation boundary `wrapper.step()` then `wrapper.zero_grad()`. The scheduler
+drives `param_groups`, which are the base optimizer's.
+
+[Note: stage dispatch]
+The engine and `checkpoint/` never ask which stage they run: what differs between stages is a
+method here that each wrapper answers (`trainable_param_groups`, `param_shapes`,
+`saves_16bit_model`, `module_state_dict_16bit`, `supports_no_sync`, `refresh_fp32_params`, the state dicts). The
+factory (optimizer_factory.py) is the one place that branches on the stage.
+tests/runtime/test_optimizer_contract.py runs every wrapper through this contract.
+
+[Note: one step]
+`step()` is written once, here, for every stage; a stage supplies two things: its gradients
+at the step (`_step_gradients`: whatever is still unreduced is reduced first; this rank's
+tensors, and the group over which they are partitioned, if they are), and the update
+(`_apply_update`: base optimizer on the masters, parameters made visible to the module). The
+skeleton: overflow check (over the group when partitioned) -> loss-scaler update -> global norm
+-> unscale-and-clip multiplier -> update.
+
+Two rules hold for every stage:
+- Gradients are unscaled, and the reported norm divided, by the scale they were multiplied by:
+  the loss scale *before* this step's `update_scale` (which may double it after a clean window).
+- On an overflow the step is skipped and `get_global_grad_norm()` keeps the last applied step's
+  norm (0.0 before any), as every DeepSpeed optimizer does (`stage_1_and_2.py::step`,
+  `stage3.py::step`, `fp16/fused_optimizer.py::step` return before assigning it). The engine
+  counts the skipped step and its monitor does not log the stale norm as that step's.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import torch
 
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.grad_utils import any_non_finite, global_norm, unscale_and_clip_factor
+from zerospeed.runtime.precision import PrecisionSettings
+
+__all__ = ["DeepSpeedOptimizer", "StepGradients", "optimizer_state_tensors", "tensor_bytes"]
+
+
+@dataclasses.dataclass
+class StepGradients:
+    """This rank's gradients at the step ([Note: one step]).
+
+    `group` is the data-parallel group when each rank holds a disjoint part of the gradient vector
+    (ZeRO 1-3: the overflow flag and the squared norm are reduced over it); None when every rank
+    holds the whole, already averaged vector (stage 0: no collective). `comm_device` is where
+    those scalars are reduced when the gradients sit in host memory.
+    """
+
+    tensors: list[torch.Tensor]
+    group: Any = None
+    comm_device: torch.device | None = None
+
+    @property
+    def partitioned(self) -> bool:
+        return self.group is not None
 
 
 class DeepSpeedOptimizer(abc.ABC):
@@ -32,16 +76,19 @@ class DeepSpeedOptimizer(abc.ABC):
 
     optimizer: torch.optim.Optimizer
     loss_scaler: LossScaler
+    precision: PrecisionSettings
     clip_grad: float
     overflow: bool
-    _global_grad_norm: float | None
+    _global_grad_norm: float
 
-    def _init_base(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler, clip_grad: float) -> None:
+    def _init_base(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler,
+                   precision: PrecisionSettings) -> None:
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
-        self.clip_grad = float(clip_grad)
+        self.precision = precision
+        self.clip_grad = float(precision.clip_grad)
         self.overflow = False
-        self._global_grad_norm = None
+        self._global_grad_norm = 0.0   # DeepSpeed's optimizers start from 0.0 too
 
     # --- what the scheduler and users see ---------------------------------------------------
     @property
@@ -67,7 +114,8 @@ class DeepSpeedOptimizer(abc.ABC):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.loss_scaler.scale_loss(loss)
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self) -> float:
+        """The unscaled global gradient norm of the last applied step ([Note: one step])."""
         return self._global_grad_norm
 
     # --- the contract -----------------------------------------------------------------------
@@ -79,12 +127,72 @@ class DeepSpeedOptimizer(abc.ABC):
     def backward_epilogue(self, is_boundary: bool) -> None:
         """After each micro-batch's backward: reduce / accumulate the gradients it produced."""
 
-    @abc.abstractmethod
     def step(self, closure: Any = None) -> None:
-        """At the accumulation boundary: overflow check, norm, unscale + clip, update, publish params."""
+        """At the accumulation boundary: [Note: one step]."""
+        grads = self._step_gradients()
+        scale = self.loss_scaler.cur_scale    # what the gradients carry; update_scale may change it
+        self.overflow = self.precision.check_overflow and self._has_overflow(grads)
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self.zero_grad()
+            return
+        scaled_norm = self._scaled_global_norm(grads)
+        self._global_grad_norm = scaled_norm / scale
+        self._apply_update(grads.tensors, 1.0 / unscale_and_clip_factor(scaled_norm, scale, self.clip_grad))
+
+    def _has_overflow(self, grads: StepGradients) -> bool:
+        """Whether any rank's gradients hold inf or nan (reduced over the group when partitioned)."""
+        return any_non_finite(grads.tensors, group=grads.group, reduce=grads.partitioned,
+                              comm_device=grads.comm_device)
+
+    def _scaled_global_norm(self, grads: StepGradients) -> float:
+        """The L2 norm of the whole (still loss-scaled) gradient vector, the same on every rank."""
+        return global_norm(grads.tensors, group=grads.group, partitioned=grads.partitioned,
+                           comm_device=grads.comm_device)
+
+    @abc.abstractmethod
+    def _step_gradients(self) -> StepGradients:
+        """Reduce what is still unreduced; this rank's gradients, still loss-scaled."""
+
+    @abc.abstractmethod
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        """Multiply `grads` by `multiplier` (unscale and clip), step the masters, publish the params."""
 
     @abc.abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    # --- what the engine and the checkpoint code ask of every stage ([Note: stage dispatch]) ----
+    supports_no_sync: bool = True
+    """Whether gradients may accumulate unreduced inside `engine.no_sync()` (not with partitioned
+    gradients: stages 2 and 3, as DeepSpeed)."""
+
+    @abc.abstractmethod
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The module's trainable parameters per group, in the order the wrapper lays them out
+        (stage 0: per base-optimizer group; ZeRO 1/2: each group's flat order; stage 3: per sub-group)."""
+
+    def param_shapes(self, param_names: dict[torch.nn.Parameter, str]) -> list[dict[str, torch.Size]]:
+        """Per group of `trainable_param_groups`, name -> full shape (DeepSpeed's `param_shapes`)."""
+        return [{param_names[p]: p.shape for p in group} for group in self.trainable_param_groups()]
+
+    def saves_16bit_model(self) -> bool:
+        """Whether `save_16bit_model` writes anything (stage 3: only when the config gathers)."""
+        return True
+
+    def module_state_dict_16bit(self, module: torch.nn.Module,
+                                exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The full model-dtype state dict `save_16bit_model` writes; at stage 3 a collective whose
+        result only rank 0 receives (None elsewhere), as DeepSpeed's."""
+        state = module.state_dict()
+        if exclude_frozen_parameters:
+            for name, param in module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    @abc.abstractmethod
+    def refresh_fp32_params(self) -> None:
+        """Re-derive the fp32 masters from the (just loaded) low-precision weights."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]: ...

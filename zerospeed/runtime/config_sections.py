@@ -115,3 +115,10 @@ class PipelineConfig(DeepSpeedConfigModel):
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     use_reentrant: bool = True
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    """zerospeed: the pipeline schedule (DeepSpeed has 1F1B only); interleaved needs PipelineModule(num_chunks>1)."""
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _lower_schedule(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value

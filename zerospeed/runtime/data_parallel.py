@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, scale_, unscale_and_clip_factor
 from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
+from zerospeed.runtime.grad_utils import any_non_finite, scale_
 from zerospeed.runtime.precision import PrecisionSettings
 
 
@@ -32,8 +33,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, reduce_bucket_size: int) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
-        self.precision = precision
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.dp_group = dp_group
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._lp_params = trainable_params(init_optimizer)
@@ -57,6 +57,12 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         master = torch.nn.Parameter(param.detach().clone().float())
         master_of[id(param)] = master
         return master
+
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        # The base optimizer's groups hold the fp32 masters (the params themselves in fp32).
+        param_of = {id(master): param for param, master in zip(self._lp_params, self._masters)}
+        return [[param_of[id(p)] for p in group["params"] if id(p) in param_of]
+                for group in self.optimizer.param_groups]
 
     def params_and_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(trainable param, its fp32 master) pairs in optimizer order; the same tensor twice in fp32."""
@@ -109,23 +115,22 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         else:
             self._lp_params[index].grad = grad
 
-    # --- the step -----------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
-        grads = self._gradients()
+    # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def _step_gradients(self) -> StepGradients:
+        return StepGradients(self._gradients())
+
+    def _has_overflow(self, grads: StepGradients) -> bool:
         # Gradients are already all-reduced, so every rank sees the same overflow: no collective,
         # unless expert gradients (which differ between expert-parallel ranks) are among them.
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group,
-                                                                         reduce=self._has_experts)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self.zero_grad()
-            return
-        scaled_norm = grouped_norm(expert_norm_groups(self._lp_params, grads))
-        self._global_grad_norm = scaled_norm / self.loss_scale
-        divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
+        return any_non_finite(grads.tensors, group=self.dp_group, reduce=self._has_experts)
+
+    def _scaled_global_norm(self, grads: StepGradients) -> float:
+        return grouped_norm(expert_norm_groups(self._lp_params, grads.tensors))
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         for master, grad in zip(self._masters, grads):
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
-        scale_([m.grad for m in self._masters], 1.0 / divisor)
+        scale_([m.grad for m in self._masters], multiplier)
         self.optimizer.step()
         if self.precision.low_precision:
             self._copy_masters_to_params()

@@ -21,6 +21,7 @@ from zerospeed.runtime.config import DeepSpeedConfig
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
+from zerospeed.runtime.engine_client_api import EngineClientAPI
 from zerospeed.runtime.engine_moe import broadcast_expert_params, check_moe_supported, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
@@ -33,7 +34,7 @@ from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -44,6 +45,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
+        self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
         self._apply_log_level()
         self.precision = PrecisionSettings.from_config(self._config)
@@ -58,6 +60,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         self.lr_scheduler: Any = None
         if optimizer is not None or self._config.optimizer_name is not None:
             self._init_optimizer(optimizer, model_parameters)
+            self._link_fragment_owner()
             self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
             self._report_progress(0)
         self._init_monitoring()
@@ -218,7 +221,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        assert self.zero_optimization_stage() < 2, \
+        assert self.optimizer is None or self.optimizer.supports_no_sync, \
             f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self.zero_optimization_stage()}"
         assert not self._inside_no_sync, "no_sync context manager reentry is unsupported"
         self._inside_no_sync = True
@@ -249,18 +252,14 @@ class DeepSpeedEngine(EngineCheckpointing, EngineAccessors, torch.nn.Module):
         `stage3_gather_16bit_weights_on_model_save` is on (else it logs and returns False)."""
         import os
 
-        if self.zero_optimization_partition_weights() and \
-                not self._config.zero_config.gather_16bit_weights_on_model_save:
+        if self.optimizer is not None and not self.optimizer.saves_16bit_model():
             logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
                         "False", os.path.join(save_dir, save_filename))
             return False
-        state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters) \
-            if self.zero_optimization_partition_weights() else self.module.state_dict()
+        state_dict = self.module.state_dict() if self.optimizer is None else \
+            self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            if exclude_frozen_parameters and not self.zero_optimization_partition_weights():
-                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
-                state_dict = {k: v for k, v in state_dict.items() if k not in frozen}
             torch.save(state_dict, os.path.join(save_dir, save_filename))
         comm.barrier()
         return True

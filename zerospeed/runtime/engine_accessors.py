@@ -78,9 +78,6 @@ class EngineAccessors:
     def dataloader_drop_last(self) -> bool:
         return self._config.dataloader_drop_last
 
-    def config(self) -> Any:
-        return self._config
-
     # --- optimizer state --------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -18,6 +18,7 @@ from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
+from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
 from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
@@ -51,9 +52,9 @@ class EngineCheckpointing:
             moe_checkpoint.save_moe_files(self, transaction, to_plain(optimizer_entry))
         if stage >= 1:
             transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
-                C.OPTIMIZER_STATE_DICT: to_plain(self.optimizer.state_dict()),
+                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
                 C.DS_CONFIG: self._config._param_dict,
-                C.DS_VERSION: model_states_version()})
+                C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
         return True
 
@@ -180,8 +181,3 @@ def zero_to_fp32_source() -> str:
 
     return zero_to_fp32.__file__
 
-
-def model_states_version() -> str:
-    from zerospeed.version import __version__
-
-    return __version__

@@ -90,7 +90,8 @@ class EngineMonitoring:
             events.append(("Train/Samples/train_loss", self.last_loss, step))
         if engine.fp16_enabled():
             events.append(("Train/Samples/loss_scale", float(engine.optimizer.cur_scale), step))
-        if engine.get_global_grad_norm() is not None:
+        # A skipped (overflow) step keeps the last applied step's norm ([Note: one step]): not this step's.
+        if engine.was_step_applied() and engine.get_global_grad_norm() is not None:
             events.append(("Train/Samples/grad_norm", float(engine.get_global_grad_norm()), step))
         events += self._throughput_events(step)
         if self.breakdown:

@@ -299,7 +299,9 @@ class LRRangeTest(_BatchScheduler):
         return [low * (1 + self.step_rate * interval) for low in self.min_lrs]
 
 
-VALID_LR_SCHEDULES = {cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)}
+_SCHEDULE_CLASSES = {cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)}
+# DeepSpeed's: a list of the names (accelerate tests `type(obj).__name__ in VALID_LR_SCHEDULES`).
+VALID_LR_SCHEDULES = list(_SCHEDULE_CLASSES)
 
 
 def _torch_optimizer(optimizer: Any) -> Any:
@@ -312,8 +314,8 @@ def _torch_optimizer(optimizer: Any) -> Any:
 def build_lr_scheduler(name: str, params: dict[str, Any] | None, optimizer: Any) -> Any:
     """The ds_config ``scheduler`` block: a name here first, then in torch.optim.lr_scheduler."""
     params = dict(params or {})
-    if name in VALID_LR_SCHEDULES:
-        cls, target = VALID_LR_SCHEDULES[name], optimizer
+    if name in _SCHEDULE_CLASSES:
+        cls, target = _SCHEDULE_CLASSES[name], optimizer
     elif isinstance(getattr(torch.optim.lr_scheduler, name, None), type):
         cls, target = getattr(torch.optim.lr_scheduler, name), _torch_optimizer(optimizer)
     else:

@@ -131,4 +131,4 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
     from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,
-                                         param_names=param_names, offload=offload)
+                                         param_names=param_names, offload=offload, aio_config=config.aio_config)

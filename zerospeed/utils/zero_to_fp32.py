@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
-           "load_state_dict_from_zero_checkpoint"]
+           "load_state_dict_from_zero_checkpoint", "get_model_state_file", "get_model_state_files",
+           "get_optim_files"]
 
 _MANIFEST = "zs_manifest.json"
 _ALLOW_PICKLE_ENV = "ZEROSPEED_CHECKPOINT_ALLOW_PICKLE"
@@ -217,7 +218,10 @@ class _ZeroCheckpoint:
         module = self.model0["module"]
         shapes = _merged_shapes(self.model0.get("param_shapes") or [])
         optimizer = self.model0.get("optimizer") or {}
-        masters = dict(zip(shapes, optimizer.get("fp32_groups") or []))
+        groups = optimizer.get("fp32_groups") or []
+        if groups and isinstance(groups[0], (list, tuple)):   # DeepSpeed's shape: a list per param group
+            groups = [master for group in groups for master in group]
+        masters = dict(zip(shapes, groups))
         for name, tensor in module.items():
             if name in self.model0.get("buffer_names", []) or name in (self.model0.get("shared_params") or {}):
                 continue
@@ -249,8 +253,20 @@ class _ZeroCheckpoint:
     def _frozen_full(self, model_state: dict) -> None:
         if self.exclude_frozen:
             return
-        for name, tensor in (model_state.get("frozen_param_fragments") or {}).items():
+        fragments = model_state.get("frozen_param_fragments")
+        if fragments is None:
+            fragments = self._frozen_from_module(model_state)
+        for name, tensor in fragments.items():
             self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+
+    def _frozen_from_module(self, model_state: dict) -> dict:
+        """DeepSpeed writes no frozen fragments at stage 1 (its converter then drops frozen
+        params); their values are in the model file's `module`: every entry that is neither a
+        trainable param, a buffer nor a tied alias."""
+        trainable = _merged_shapes(model_state.get("param_shapes") or [])
+        skip = set(model_state.get("buffer_names", [])) | set(model_state.get("shared_params") or {})
+        return {name: tensor for name, tensor in model_state["module"].items()
+                if name not in trainable and name not in skip and tensor.numel() > 0}
 
     def _zero3_params(self) -> None:
         world_size = self.world_size
@@ -405,6 +421,34 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
+
+
+def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
+    """The tag directory's model-states file that carries the client state (Lightning reads it)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if int(zero_stage) == 3 else "mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
+def _files_matching(checkpoint_dir: str, pattern: str) -> list[str]:
+    found = sorted(glob.glob(os.path.join(checkpoint_dir, pattern)), key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    """Every rank's `*_optim_states.pt` in the tag directory, in rank order."""
+    return _files_matching(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str) -> list[str]:
+    """Every `*_model_states.pt` in the tag directory, in rank order."""
+    return _files_matching(checkpoint_dir, "*_model_states.pt")
 
 
 def main(argv: list[str] | None = None) -> None:

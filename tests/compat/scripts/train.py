@@ -1,10 +1,15 @@
-"""Compat script: train, save, optionally resume — written once against DeepSpeed's public API.
+"""Compat script: train, save, resume, convert — written once against DeepSpeed's public API.
 
 `main(ds, ctx, cases, steps, load_from=None, resume_steps=0)` runs each case (a dict with
-`stage`, `dtype` and optional `offload`, `scheduler`, `clip`) on a tiny MLP: `steps` training
-steps, then `save_checkpoint(ctx.path(name))`. With `load_from` it instead builds a fresh engine,
-`load_checkpoint(load_from/<name>)` and trains `resume_steps` more steps. Each case reports the
-per-step loss, global grad norm and lr, and the final full parameters.
+`stage`, `dtype` and optional `offload`, `scheduler`, `clip`, `frozen`) on a tiny MLP:
+
+* without `load_from`: `steps` training steps, `save_checkpoint(ctx.path(name))`, then
+  `resume_steps` more steps (what a resumed run must reproduce);
+* with `load_from`: a fresh engine (other initial weights), `load_checkpoint(load_from/<name>)`,
+  then `resume_steps` steps; and on rank 0 this library's zero_to_fp32 on that checkpoint.
+
+Each case reports per-step loss, global grad norm and lr, and full parameters (after saving or
+loading, and at the end).
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}}
 
 
 def case_name(case: dict) -> str:
-    extra = "-".join(f"{k}" for k in ("offload", "scheduler", "clip") if case.get(k))
+    extra = "-".join(f"{k}" for k in ("offload", "scheduler", "clip", "frozen") if case.get(k))
     return f"stage{case['stage']}-{case['dtype']}" + (f"-{extra}" if extra else "")
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+def make_model(case: dict, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    if case.get("frozen"):
+        model[0].bias.requires_grad_(False)
+    return model
 
 
 def config(case: dict, world_size: int) -> dict:
@@ -75,21 +83,41 @@ def train(ds, ctx, engine, first: int, count: int) -> list[dict]:
 
 
 def run_case(ds, ctx, case: dict, steps: int, load_from: str | None, resume_steps: int) -> dict:
-    engine, _, _, _ = ds.initialize(model=make_model(), config=config(case, ctx.world_size))
+    model = make_model(case, seed=0 if load_from is None else 7)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = ds.initialize(model=model, model_parameters=params, config=config(case, ctx.world_size))
     name = case_name(case)
     result: dict = {"name": name}
     if load_from is None:
         result["steps"] = train(ds, ctx, engine, 0, steps)
         engine.save_checkpoint(ctx.path(name))
         result["files"] = ctx.files(ctx.path(name))
+        result["params_saved"] = full_params(ds, ctx, engine)
+        if ctx.rank == 0:
+            result["zero_to_fp32"] = zero_to_fp32(ctx, ctx.path(name))
     else:
-        path, client = engine.load_checkpoint(f"{load_from}/{name}")
+        try:
+            path, client = engine.load_checkpoint(f"{load_from}/{name}")
+        except Exception as error:  # noqa: BLE001 - reported, so the other cases still run
+            return {"name": name, "error": type(error).__name__, "message": str(error)[-500:]}
         result["loaded"] = path is not None
         result["global_steps"] = engine.global_steps
-        result["params_loaded"] = full_params(ds, ctx, engine)
-        result["steps"] = train(ds, ctx, engine, steps, resume_steps)
+        result["params_saved"] = full_params(ds, ctx, engine)
+        if ctx.rank == 0:
+            result["zero_to_fp32"] = zero_to_fp32(ctx, f"{load_from}/{name}")
+    result["continued"] = train(ds, ctx, engine, steps, resume_steps)
     result["params"] = full_params(ds, ctx, engine)
     return result
+
+
+def zero_to_fp32(ctx, checkpoint_dir: str) -> dict:
+    """This library's converter on a checkpoint: {name: values}, or {"error": type name}."""
+    converter = ctx.submodule("utils.zero_to_fp32")
+    try:
+        state = converter.get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir)
+    except Exception as error:  # noqa: BLE001 - the type is the result
+        return {"error": type(error).__name__}
+    return {name: ctx.values(tensor) for name, tensor in state.items()}
 
 
 def main(ds, ctx, cases: list[dict], steps: int, load_from: str | None = None, resume_steps: int = 0) -> dict:

@@ -45,10 +45,15 @@ def _runs(tmp_path, dtype):
     runs = {"none": (None, None),
             "cpu+param-nvme": ({"device": "cpu"}, _param_nvme(os.path.join(tmp_path, "p1"))),
             "nvme+param-nvme": (_nvme(os.path.join(tmp_path, "o2")), _param_nvme(os.path.join(tmp_path, "p2"))),
-            "cpu+param-nvme-half-in-cpu": ({"device": "cpu"}, _param_nvme(os.path.join(tmp_path, "p3"), 9000))}
+            "cpu+param-nvme-half-in-cpu": ({"device": "cpu"}, _param_nvme(os.path.join(tmp_path, "p3"), 9000)),
+            # ZeRO-Infinity parameter offload alone: optimizer states stay on the compute device
+            "param-nvme-alone": (None, _param_nvme(os.path.join(tmp_path, "p4")))}
     for name, (offload, offload_param) in runs.items():
         engine = _engine(3, offload, dtype, offload_param, **SMALL_PREFETCH)
         figures = _swap_figures(engine) if offload_param is not None else None
+        if figures is not None:
+            swap_dir = engine.optimizer.param_swapper.swap_dir
+            figures["under_nvme_path"] = swap_dir.startswith(offload_param["nvme_path"] + os.sep)
         losses = _train(engine, batches, dtype)
         if figures is not None:
             figures["peak_ahead"] = engine.optimizer.param_swapper.peak_ahead_numel
@@ -77,6 +82,9 @@ def _check_equal_to_no_offload(results):
         assert everything["swapped"] == everything["params"]          # max_in_cpu 0: every partition on disk
         assert everything["file_bytes"] == everything["partition_bytes"]
         assert everything["peak_ahead"] > 0                           # partitions were read ahead of gathers
+        alone = rank_results["param-nvme-alone"][2]
+        assert alone["swapped"] == alone["params"] and alone["file_bytes"] == alone["partition_bytes"]
+        assert all(figures["under_nvme_path"] for _, _, figures in list(rank_results.values())[1:])
         part = rank_results["cpu+param-nvme-half-in-cpu"][2]
         assert 0 < part["swapped"] < part["params"]                   # the first sub-groups stay in RAM
 
@@ -90,8 +98,8 @@ def test_param_nvme_equals_no_offload_bf16(tmp_path):
 
 
 def _resume(tmp_path):
-    """4 steps with parameters on NVMe, save, 3 more; a fresh NVMe engine and one without offload
-    load the checkpoint and train the same 3 steps."""
+    """4 steps with parameters on NVMe, save, 3 more; a fresh NVMe engine, one without offload and one
+    with parameter offload alone load the checkpoint and train the same 3 steps."""
     batches = _batches(7)
     engine = _engine(3, {"device": "cpu"}, offload_param=_param_nvme(os.path.join(tmp_path, "a")))
     _train(engine, batches[:4])
@@ -99,18 +107,19 @@ def _resume(tmp_path):
     expected = _train(engine, batches[4:]), _params(engine)
     engine.optimizer.close()
     outcomes = []
-    for offload, offload_param in (({"device": "cpu"}, _param_nvme(os.path.join(tmp_path, "b"))), (None, None)):
+    for offload, offload_param in (({"device": "cpu"}, _param_nvme(os.path.join(tmp_path, "b"))), (None, None),
+                                   (None, _param_nvme(os.path.join(tmp_path, "c")))):
         resumed = _engine(3, offload, offload_param=offload_param)
         resumed.load_checkpoint(os.path.join(tmp_path, "ckpt"), tag="t")
         got = _train(resumed, batches[4:]), _params(resumed)
         outcomes.append(got[0] == expected[0] and all(torch.equal(got[1][k], v) for k, v in expected[1].items()))
         resumed.optimizer.close()
-    return outcomes, glob.glob(os.path.join(tmp_path, "[ab]", "zerospeed_offload", "*", "param", "*"))
+    return outcomes, glob.glob(os.path.join(tmp_path, "[abc]", "zerospeed_offload", "*", "param", "*"))
 
 
 def test_param_nvme_checkpoint_round_trip_is_exact(tmp_path):
     for outcomes, leftovers in run_on_ranks(_resume, WORLD_SIZE, str(tmp_path)):
-        assert outcomes == [True, True]
+        assert outcomes == [True, True, True]
         assert leftovers == []
 
 
@@ -132,14 +141,22 @@ def test_param_nvme_modifier_rank_edits_persist(tmp_path):
     assert run_on_ranks(_edit_under_gathered, WORLD_SIZE, str(tmp_path)) == [True, True]
 
 
-def _without_optimizer_offload(tmp_path):
-    try:
-        _engine(3, None, offload_param=_param_nvme(tmp_path))
-    except ValueError as error:
-        return str(error)
-    return None
+def _param_cpu_alone():
+    """`offload_param: cpu` without optimizer offload: partitions in host memory, masters and optimizer
+    state on the compute device; equal to the run without offload."""
+    batches = _batches(4)
+    results = []
+    for offload_param in (None, {"device": "cpu"}):
+        engine = _engine(3, None, offload_param=offload_param)
+        results.append((_train(engine, batches), _params(engine)))
+    master_device = engine.optimizer.fp32_flat[0].device
+    separate = engine.optimizer.fp32_flat[0].data_ptr() != engine.optimizer.lp_flat[0].data_ptr()
+    return results, str(master_device), separate
 
 
-def test_param_nvme_needs_optimizer_offload(tmp_path):
-    for message in run_on_ranks(_without_optimizer_offload, WORLD_SIZE, str(tmp_path)):
-        assert message is not None and "offload_optimizer" in message, message
+def test_param_cpu_offload_alone_equals_no_offload():
+    for results, master_device, separate in run_on_ranks(_param_cpu_alone, WORLD_SIZE):
+        (reference_losses, reference_params), (losses, params) = results
+        assert losses == reference_losses
+        assert all(torch.equal(params[k], v) for k, v in reference_params.items())
+        assert master_device == "cpu" and separate  # the compute device here; a copy, not the host partition

@@ -186,7 +186,7 @@ def test_zero_init_with_a_config_partitions_every_parameter(form, tmp_path):
         for (local, ds_numel, ds_shape, part, persist, dtype), shape in zip(rank_result, shapes):
             numel = int(torch.Size(shape).numel())
             assert (local, ds_numel, ds_shape, part) == (0, numel, shape, -(-numel // 2))
-            assert persist and dtype == torch.float32  # under the 100k threshold: a flag, not whole data
+            assert not persist and dtype == torch.float32  # the threshold applies at initialize
 
 
 def _gathered_write_after_initialize(modifier_rank):

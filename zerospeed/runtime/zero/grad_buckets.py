@@ -24,9 +24,9 @@ the peak, one memcpy less per bucket). Any other order (several param groups, a 
 produces gradients out of order) falls back to that copy.
 
 Either way a step sends the trainable gradient volume once per reduction (the comms logger counts
-each bucket's input) and, with `overlap_comm`, runs asynchronously with at most two reductions in
-flight (double buffering) while backward continues. The reducer only ever calls `wait()` on a
-handle: on gloo an async reduce-scatter's `is_completed()` never turns true and it has no future.
+each bucket's input) and, with `overlap_comm`, runs asynchronously while backward continues: two
+reductions stay in flight while the next bucket fills (`MAX_OUTSTANDING`, [Note: in-flight
+collectives] in comm/in_flight.py), three buckets of communication memory at the peak.
 Every rank must produce gradients in the same order (the same graph), as in DeepSpeed, so that
 all ranks issue the same collectives.
 
@@ -39,26 +39,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zerospeed import comm
+from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
-__all__ = ["GradReducer", "GradientBuckets", "OwnedSlice", "reduce_flat_gradients"]
+__all__ = ["GradReducer", "GradientBuckets", "MAX_OUTSTANDING", "OwnedSlice", "reduce_flat_gradients"]
 
-_MAX_IN_FLIGHT = 2
-
-
-@dataclasses.dataclass
-class _InFlight:
-    handle: Any
-    keepalive: tuple[torch.Tensor, ...]   # the collective's buffers, alive until it is done
-    finish: Callable[[], None]
+# Reductions still in flight while the next bucket fills (stages 1/2; stage 3 keeps one).
+MAX_OUTSTANDING = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +78,7 @@ class GradReducer:
         # Expert gradients: summed over the expert-data-parallel group, averaged over the data-parallel
         # world ([Note: expert gradient reduction] in runtime/expert_gradients.py).
         self.before, self.after = averaging_factors(settings, average_world_size or self.world_size)
-        self._in_flight: list[_InFlight] = []
+        self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
 
     def reduce(self, rows: torch.Tensor, dest: torch.Tensor) -> None:
         """Sum `rows` ([W * n], one row per rank) over ranks; this rank's row into `dest` ([n])."""
@@ -99,7 +93,7 @@ class GradReducer:
 
         def finish() -> None:
             self._store(dest, self._scale(output, self.after), accumulate=False)
-        self._submit(_InFlight(handle, (rows, output), finish))
+        self._in_flight.submit(handle, finish, keepalive=(rows, output))
 
     def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice], accumulate: bool = True) -> None:
         """Sum `flat` over ranks; add (or copy) each slice this rank owns into its `dest`. With
@@ -131,16 +125,10 @@ class GradReducer:
                 assert owned.dest is not None
                 reduced = self._scale(total.narrow(0, start, owned.numel), self.after)
                 self._store(owned.dest, reduced, accumulate)
-        self._submit(_InFlight(handle, keepalive, finish))
+        self._in_flight.submit(handle, finish, keepalive)
 
     def wait_all(self) -> None:
-        while self._in_flight:
-            self._finish(self._in_flight.pop(0))
-
-    def _submit(self, work: _InFlight) -> None:
-        self._in_flight.append(work)
-        while len(self._in_flight) > (_MAX_IN_FLIGHT if self.overlap_comm else 0):
-            self._finish(self._in_flight.pop(0))
+        self._in_flight.drain()
 
     def _store(self, dest: torch.Tensor, reduced: torch.Tensor, accumulate: bool) -> None:
         if self.sink is not None:
@@ -149,12 +137,6 @@ class GradReducer:
             dest.add_(reduced)
         else:
             dest.copy_(reduced)
-
-    @staticmethod
-    def _finish(work: _InFlight) -> None:
-        if work.handle is not None:
-            work.handle.wait()
-        work.finish()
 
     @staticmethod
     def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:

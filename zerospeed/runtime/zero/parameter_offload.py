@@ -41,6 +41,7 @@ from zerospeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     release_params,
 )
+from zerospeed.runtime.zero.offload_client_hooks import OffloadClientHooks
 from zerospeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
 __all__ = ["DeepSpeedZeRoOffload", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
@@ -105,7 +106,7 @@ class _BackwardHook(torch.autograd.Function):
         return (None, *grads)
 
 
-class DeepSpeedZeRoOffload:
+class DeepSpeedZeRoOffload(OffloadClientHooks):
     """Partitions a module's parameters (if not done by zero.Init) and hooks it to the coordinator."""
 
     def __init__(self, module: torch.nn.Module, zero_config: Any, dp_group: Any,
@@ -125,7 +126,7 @@ class DeepSpeedZeRoOffload:
         self._fwd_stack: list[torch.nn.Module] = []
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
-        self._install_hooks(module)
+        self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
         self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)  # type: ignore[union-attr]
                                for p in m.parameters() if is_zero_param(p)}
         for param in self.params:

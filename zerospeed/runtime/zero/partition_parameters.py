@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator  # noqa: F401 - at DeepSpeed's path (transformers reads it)
 from zerospeed.runtime.zero.param_state import (
     ZeroParameter,
     ZeroParamState,
@@ -29,6 +30,10 @@ from zerospeed.runtime.zero.param_state import (
     partition_numel,
     rank_span,
     set_status,
+)
+from zerospeed.runtime.zero.tensor_constructors import (  # noqa: F401 - DeepSpeed's names, read by transformers
+    _orig_torch_arange,
+    zero_wrapper_for_fp_tensor_constructor,
 )
 
 __all__ = ["GatherHandle", "GatheredParameters", "Init", "convert_to_zero_param", "gather_params",

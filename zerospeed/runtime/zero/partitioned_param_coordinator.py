@@ -93,6 +93,15 @@ class PartitionedParameterCoordinator:
             if expected is None or (expected.module_id, expected.forward) != (entry.module_id, entry.forward):
                 self.invalidate_trace()
 
+    def is_invalid_trace(self) -> bool:
+        return self.trace_mode is ZeRoTraceMode.INVALID
+
+    def _invalidate_trace(self) -> None:
+        """DeepSpeed's name, called by clients (TRL) after running the model outside training."""
+        self._wait_all()
+        self.trace_mode = ZeRoTraceMode.INVALID
+        self.trace = []
+
     def invalidate_trace(self) -> None:
         self._wait_all()
         self.trace_mode = ZeRoTraceMode.INVALID

@@ -26,7 +26,6 @@ CPU optimizer's torch counterpart, and sub-group k >= num_on_device is `OffloadS
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -34,10 +33,12 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.config_sections import AioConfig
 from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload_states import OffloadStates
 from zerospeed.runtime.zero.partial_offload import build_device_optimizer
@@ -47,31 +48,24 @@ from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper, SwappedFla
 from zerospeed.runtime.zero.param_state import ZeroParameter, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
-from zerospeed.runtime.zero.stage3_gradients import Stage3Gradients
+from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3GradientReducer
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 
-@dataclasses.dataclass
-class _Slot:
-    """Where a trainable parameter's partition lives: sub-group and offset in its flats."""
-
-    sub_group: int
-    offset: int
-
-
-class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
+    supports_no_sync = False
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
-                 offload: OffloadStates | None = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+                 offload: OffloadStates | None = None, aio_config: Any = None) -> None:
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
+        self.aio_config = aio_config if aio_config is not None else (offload.aio_config if offload else AioConfig())
         # [Note: offloaded gradients at stage 3] in stage3_gradients.py
         self.sink = None if offload is None else HostGradientSink(bool(zero_config.offload_optimizer.pin_memory))
         # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
         # sub-groups live on the host): the step's scalar collectives always run on the device.
         self._comm_device = torch.device(get_accelerator().current_device_name())
-        self.precision = precision
         self.zero_config = zero_config
         self.dp_group = dp_group
         self.world_size = comm.get_world_size(dp_group)
@@ -80,10 +74,12 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         self.overlap_comm = bool(zero_config.overlap_comm)
         self.parameter_offload = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names,
                                                       precision.param_dtype)
-        self._check_param_offload()
         self._init_sub_groups()
         self.param_swapper = self._swap_out_partitions()
-        self._init_gradient_hooks()
+        self.gradients = Stage3GradientReducer(
+            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self._offloaded,
+            precision=precision, dp_group=dp_group, reduce_bucket_numel=self.reduce_bucket_size,
+            overlap_comm=self.overlap_comm, sink=self.sink, leaf_param_ids=self.parameter_offload.leaf_param_ids)
 
     # --- setup --------------------------------------------------------------------------------
     def _init_sub_groups(self) -> None:
@@ -91,7 +87,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         self.lp_flat: list[torch.Tensor] = []
         self.fp32_flat: list[torch.nn.Parameter] = []
         self.grad_flat: list[torch.Tensor] = []
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, GradientSlot] = {}
         self._group_ranges: list[range] = []    # each param group's sub-group indices
         groups = self.optimizer.param_groups
         trainable = [[p for p in group["params"] if p.requires_grad] for group in groups]
@@ -132,17 +128,28 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         for param in params:
             size = param.partition_numel()
             set_partition(param, lp.narrow(0, offset, size))
-            self._slots[id(param)] = _Slot(index, offset)
+            self._slots[id(param)] = GradientSlot(index, offset)
             offset += size
         offloaded = self._offloaded(index)
-        master = torch.nn.Parameter(lp if dtype == torch.float32 or offloaded else lp.float())
+        if offloaded:  # a stand-in: OffloadStates holds the real master
+            master = torch.nn.Parameter(lp)
+        elif self._param_offload_alone():
+            # [Note: offload_param alone] the master and the optimizer state stay on the compute
+            # device (DeepSpeed's ZeRO-Infinity parameter offload); only `lp` lives on the host / NVMe.
+            master = torch.nn.Parameter(lp.to(self._comm_device, torch.float32, copy=True))
+        else:
+            master = torch.nn.Parameter(lp if dtype == torch.float32 else lp.float())
         self.fp16_groups.append(params)
         self.lp_flat.append(lp)
         self.fp32_flat.append(master)
         dtype = self.precision.grad_accum_dtype
         self.grad_flat.append(self.sink.host_buffer(lp.numel(), dtype) if offloaded  # type: ignore[union-attr]
-                              else torch.zeros_like(lp, dtype=dtype))
+                              else torch.zeros(lp.numel(), dtype=dtype, device=master.device))
         return master
+
+    def _param_offload_alone(self) -> bool:
+        block = self.zero_config.offload_param
+        return self.offload is None and block is not None and block.enabled
 
     def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
         """`offload_param`: the sub-group's partitions live in host memory (pinned with an
@@ -157,19 +164,14 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
         block = self.zero_config.offload_param
         return block if block is not None and block.device.value == "nvme" else None
 
-    def _check_param_offload(self) -> None:
-        if self._param_nvme_block() is not None and self.offload is None:
-            raise ValueError("zero_optimization.offload_param.device 'nvme' needs optimizer offload as well: set "
-                             "zero_optimization.offload_optimizer.device to 'cpu' or 'nvme' (the optimizer step "
-                             "then updates the swapped parameter partitions on the host)")
-
     def _swap_out_partitions(self) -> ParamSwapper | None:
         """`offload_param: nvme`: sub-groups beyond the first `max_in_cpu` elements (cumulative, in
         sub-group order: DeepSpeed's rule) are written to files and dropped from memory."""
         block = self._param_nvme_block()
+        self._swapped_flats: dict[int, int] = {}
         if block is None:
             return None
-        aio = self.offload.aio_config  # type: ignore[union-attr]
+        aio = self.aio_config
         swap_dir = os.path.join(str(block.nvme_path), "zerospeed_offload",
                                 f"rank{comm.get_rank():02d}_pid{os.getpid()}", "param")
         swapper = ParamSwapper(swap_dir, AsyncIOEngine(aio.block_size, aio.queue_depth, aio.intra_op_parallelism),
@@ -185,32 +187,34 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
                 part = swapper.partition(flat_ids[index], self._slots[id(param)].offset, param.partition_numel())
                 set_swapped(param, part)
             self._drop_flat(index, torch.empty(0, dtype=lp.dtype))
-        self.offload.partition_access = SwappedFlatAccess(swapper, self.offload.partitions, flat_ids)  # type: ignore[union-attr]
+        self._swapped_flats = flat_ids
+        if self.offload is not None:
+            self.offload.partition_access = SwappedFlatAccess(swapper, self.offload.partitions, flat_ids)
         return swapper
 
     def _drop_flat(self, index: int, stand_in: torch.Tensor) -> None:
-        """Every reference to sub-group `index`'s resident flat now points at `stand_in`."""
+        """Every reference to sub-group `index`'s resident flat now points at `stand_in` (the master
+        too when it is the flat itself: offloaded fp32; alone, the master is a device copy)."""
         self.lp_flat[index] = stand_in
-        self.fp32_flat[index].data = stand_in
-        self.offload.partitions[index] = stand_in  # type: ignore[union-attr]
-
-
-    # --- the step -----------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
-        self._finish_reductions()
-        grads, device = self.grad_flat, self._comm_device
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_group,
-                                                                         comm_device=device)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self.zero_grad()
-            return
-        scaled_norm = global_norm(grads, group=self.dp_group, partitioned=True, comm_device=device)
-        self._global_grad_norm = scaled_norm / self.loss_scale
-        divisor = unscale_and_clip_factor(scaled_norm, self.loss_scale, self.clip_grad)
-        self._step_on_device(grads[:self.num_on_device], 1.0 / divisor)
         if self.offload is not None:
-            self.offload.step(grads[self.num_on_device:], 1.0 / divisor)
+            self.fp32_flat[index].data = stand_in
+            self.offload.partitions[index] = stand_in
+
+
+    # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        self.gradients.end_backward()
+        self.parameter_offload.partition_all_parameters()
+
+    def _step_gradients(self) -> StepGradients:
+        self.gradients.finish()
+        self.parameter_offload.partition_all_parameters()
+        return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        self._step_on_device(grads[:self.num_on_device], multiplier)
+        if self.offload is not None:
+            self.offload.step(grads[self.num_on_device:], multiplier)
         self._publish_masters()
 
     def _step_on_device(self, grads: list[torch.Tensor], multiplier: float) -> None:
@@ -225,9 +229,12 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
 
     @torch.no_grad()
     def _publish_masters(self) -> None:
-        for master, lp in zip(self.fp32_flat, self.lp_flat):
+        swapped = self._swapped_flats if self.offload is None else {}  # with offload: written by its step
+        for index, (master, lp) in enumerate(zip(self.fp32_flat, self.lp_flat)):
             master.grad = None
-            if master.data_ptr() != lp.data_ptr():
+            if index in swapped:  # [Note: offload_param alone] the device master back to the file
+                self.param_swapper.write_range(swapped[index], 0, master.detach().to("cpu", lp.dtype), wait=True)  # type: ignore[union-attr]
+            elif master.data_ptr() != lp.data_ptr():
                 lp.copy_(master)
         self.parameter_offload.refresh_persistent_parameters()
 
@@ -274,6 +281,18 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Gradients, Stage3Checkpointing, DeepSp
             return {}
         device = get_accelerator().device_name()
         return {k: "cpu" if self._offloaded(k) else device for k in range(len(self.fp32_flat))}
+
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return list(self.fp16_groups)  # type: ignore[arg-type]
+
+    def saves_16bit_model(self) -> bool:
+        return bool(self.zero_config.gather_16bit_weights_on_model_save)
+
+    def module_state_dict_16bit(self, module: torch.nn.Module,
+                                exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        from zerospeed.runtime.zero.partition_parameters import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(module, exclude_frozen_parameters, self.dp_group)
 
     def partition_all_parameters(self) -> None:
         self.parameter_offload.partition_all_parameters()

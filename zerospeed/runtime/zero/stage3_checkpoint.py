@@ -45,6 +45,8 @@ class Stage3Checkpointing:
     _group_ranges: list[range]
     _offloaded: Callable[[int], bool]             # the wrapper's methods this mixin calls
     _publish_masters: Callable[[], None]
+    param_swapper: Any                            # ParamSwapper with offload_param nvme, else None
+    _swapped_flats: dict[int, int]                # sub-group -> swap file, offload_param nvme
 
     # --- the optimizer-states file -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -109,15 +111,21 @@ class Stage3Checkpointing:
         """Re-derive the fp32 masters from the (just loaded) low-precision partitions."""
         if self.offload is not None:
             self.offload.refresh_from_partitions()
+        swapped = self._swapped_flats if self.offload is None else {}
         with torch.no_grad():
-            for master, lp in zip(self.fp32_flat[:self.num_on_device], self.lp_flat):
-                if master.data_ptr() != lp.data_ptr():
+            for index, (master, lp) in enumerate(zip(self.fp32_flat[:self.num_on_device], self.lp_flat)):
+                if index in swapped:  # offload_param alone: the partitions are in the swap file
+                    values = torch.empty(master.numel(), dtype=self.param_swapper.dtype(swapped[index]))
+                    self.param_swapper.read_range(swapped[index], 0, values)
+                    master.copy_(values)
+                elif master.data_ptr() != lp.data_ptr():
                     master.copy_(lp)
 
     # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
-    def param_shapes(self) -> list[dict[str, torch.Size]]:
+    def param_shapes(self, param_names: dict[torch.nn.Parameter, str] | None = None) -> list[dict[str, torch.Size]]:
         """Per sub-group, name -> full shape of each trainable param, in flat-partition order
-        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it)."""
+        (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it). The names are
+        the parameters' own (`zs_state.name`); the module's parameters are (0,) placeholders."""
         return [{p.zs_state.name: p.zs_state.shape for p in group} for group in self.fp16_groups]
 
     def frozen_params(self) -> list[ZeroParameter]:

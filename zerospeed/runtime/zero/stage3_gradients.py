@@ -1,14 +1,18 @@
-"""`Stage3Gradients`: how a stage-3 wrapper turns full gradients into this rank's partitions.
+"""`Stage3GradientReducer`: how a stage-3 wrapper turns full gradients into this rank's partitions.
 
-A mixin of `DeepSpeedZeroOptimizer_Stage3` (stage3.py), which owns the tensors named here
-(`grad_flat`, the sub-group `_slots`, the `sink` with optimizer offload).
+`DeepSpeedZeroOptimizer_Stage3` (stage3.py) holds one, as stages 1/2 hold their
+`GradientBuckets`: the wrapper owns the tensors (`grad_flat`, the sub-group slots, the `sink` with
+optimizer offload) and passes them to the constructor; the reducer owns the hooks, the open bucket
+and the collectives in flight.
 
 [Note: gradient path]
 A post-accumulate-grad hook on each trainable parameter hands its full gradient to the bucket and
 drops `param.grad`. A bucket of `reduce_bucket_size` elements is one `reduce_scatter_tensor`: its
 input is `W` rows, row r the concatenation of each parameter's r-th chunk (zero-padded), so rank r
-receives exactly its partitions. With `overlap_comm` the reduce-scatter is asynchronous, at most
-two in flight, each only ever `wait()`ed (gloo). Results are added into `grad_flat` once waited.
+receives exactly its partitions. With `overlap_comm` the reduce-scatter is asynchronous and one
+stays in flight while the next bucket fills (`MAX_OUTSTANDING`, [Note: in-flight collectives] in
+comm/in_flight.py): two buckets of communication memory. Results are added into `grad_flat` once
+waited.
 Gradients of z3-leaf modules wait for the end of backward ([Note: leaf-module gradients]); the
 bucket's own memory: [Note: bucket memory].
 
@@ -19,25 +23,35 @@ completes, overlapped with the rest of backward, as at stages 1 and 2 ([Note: of
 gradients] in stage_1_and_2.py); the sink holds the bucket's output until its copy has landed.
 A slice whose widening to `grad_accum_dtype` is exact (bf16 into fp32) crosses as it is, half the
 bytes, and the host add widens it; a narrowing is done on the device first, as without offload,
-so both runs round the same way. `_finish_reductions` synchronizes the sink, so the overflow
+so both runs round the same way. `finish` synchronizes the sink, so the overflow
 check, the norm (their per-rank scalar reduced on the accelerator) and `OffloadStates.step`
 (which takes views, no copy at the step) read final host gradients.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.precision import averaging_factors
+from zerospeed.comm.in_flight import InFlightQueue
+from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
+from zerospeed.runtime.zero.host_grads import HostGradientSink
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
 
-__all__ = ["Stage3Gradients"]
+__all__ = ["GradientSlot", "MAX_OUTSTANDING", "Stage3GradientReducer"]
 
-_MAX_IN_FLIGHT = 2
+# Reduce-scatters still in flight while the next bucket fills ([Note: gradient path]).
+MAX_OUTSTANDING = 1
+
+
+class GradientSlot(NamedTuple):
+    """Where a trainable parameter's gradient partition lives: sub-group and offset in `grad_flat`."""
+
+    sub_group: int
+    offset: int
 
 
 def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,39 +61,40 @@ def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return reduced if torch.promote_types(reduced.dtype, dtype) == dtype else reduced.to(dtype)
 
 
-@dataclasses.dataclass
-class _InFlight:
-    work: Any
-    rows: torch.Tensor
-    output: torch.Tensor
-    params: list[ZeroParameter]
+class Stage3GradientReducer:
+    """Hooks, buckets, reduce-scatter and the host sink; `end_backward` ends a backward."""
 
-
-class Stage3Gradients:
-    """Hooks, buckets, reduce-scatter and the host sink; `_finish_reductions` ends a backward."""
-
-    # set by DeepSpeedZeroOptimizer_Stage3
-    grad_flat: list[torch.Tensor]
-    fp16_groups: list[list[ZeroParameter]]
-    precision: Any
-    world_size: int
-    dp_group: Any
-    reduce_bucket_size: int
-    overlap_comm: bool
-    sink: Any
-    parameter_offload: Any
-    _slots: dict[int, Any]
-
-    def _init_gradient_hooks(self) -> None:
-        self._bucket: list[tuple[ZeroParameter, torch.Tensor]] = []
+    def __init__(self, params: list[ZeroParameter], grad_flat: list[torch.Tensor],
+                 slots: dict[int, GradientSlot], on_host: Callable[[int], bool], *,
+                 precision: PrecisionSettings, dp_group: Any, reduce_bucket_numel: int, overlap_comm: bool,
+                 sink: HostGradientSink | None, leaf_param_ids: set[int]) -> None:
+        """`params`: the trainable parameters; `grad_flat[k]`: sub-group k's gradient partitions,
+        `slots[id(param)]` a parameter's place in them; `on_host(k)`: whether sub-group k's buffer
+        is an offloaded host buffer, written through `sink`; `leaf_param_ids`: ds_ids of the
+        parameters of z3-leaf modules ([Note: leaf-module gradients])."""
+        self.grad_flat = grad_flat
+        self.slots = slots
+        self.on_host = on_host
+        self.precision = precision
+        self.dp_group = dp_group
+        self.world_size = comm.get_world_size(dp_group)
+        self.reduce_bucket_numel = reduce_bucket_numel
+        self.overlap_comm = overlap_comm
+        self.sink = sink
+        self.leaf_param_ids = leaf_param_ids
+        self.before, self.after = averaging_factors(precision, self.world_size)
+        self._bucket: list[tuple[ZeroParameter, torch.Tensor | None]] = []
         self._bucket_numel = 0
-        self._in_flight: list[_InFlight] = []
+        self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
         self._deferred: dict[int, torch.Tensor] = {}
-        leaf_ids = self.parameter_offload.leaf_param_ids
-        self._leaf_params = sorted((p for g in self.fp16_groups for p in g if p.zs_state.ds_id in leaf_ids),
+        self._leaf_params = sorted((p for p in params if p.zs_state.ds_id in leaf_param_ids),
                                    key=lambda p: p.zs_state.ds_id)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for group in self.fp16_groups for p in group]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     # --- gradients ----------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -93,7 +108,7 @@ class Stage3Gradients:
                                "the parameter was used while partitioned (outside the forward of a module "
                                "that owns it). Register it with zero.register_external_parameter(module, "
                                "param) or use it inside zero.GatheredParameters.")
-        if state.ds_id in self.parameter_offload.leaf_param_ids:
+        if state.ds_id in self.leaf_param_ids:
             self._deferred[state.ds_id] = grad  # see [Note: leaf-module gradients]
             return
         self._add_to_bucket(param, grad)  # type: ignore[arg-type]
@@ -101,7 +116,7 @@ class Stage3Gradients:
     def _add_to_bucket(self, param: ZeroParameter, grad: torch.Tensor) -> None:
         self._bucket.append((param, grad))
         self._bucket_numel += param.zs_state.padded_numel
-        if self._bucket_numel >= self.reduce_bucket_size:
+        if self._bucket_numel >= self.reduce_bucket_numel:
             self._flush_bucket()
 
     def _reduce_deferred(self) -> None:
@@ -122,15 +137,11 @@ class Stage3Gradients:
         bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
         params = [param for param, _ in bucket]
         rows = self._bucket_rows(bucket)
-        comm_dtype, width = rows.dtype, rows.shape[1]
-        before, _ = self._averaging()
-        if before != 1.0:
-            rows.mul_(before)
-        output = torch.empty(width, dtype=comm_dtype, device=rows.device)
+        if self.before != 1.0:
+            rows.mul_(self.before)
+        output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
         work = comm.reduce_scatter_tensor(output, rows.view(-1), group=self.dp_group, async_op=self.overlap_comm)
-        self._in_flight.append(_InFlight(work, rows, output, params))
-        while len(self._in_flight) > (_MAX_IN_FLIGHT - 1 if self.overlap_comm else 0):
-            self._finish(self._in_flight.pop(0))
+        self._in_flight.submit(work, lambda: self._store(output, params), keepalive=(rows,))
 
     def _bucket_rows(self, bucket: list[tuple[ZeroParameter, torch.Tensor | None]]) -> torch.Tensor:
         """The reduce-scatter input: row r holds each parameter's r-th chunk, zero-padded.
@@ -156,36 +167,30 @@ class Stage3Gradients:
             offset += size
         return rows
 
-    def _averaging(self) -> tuple[float, float]:
-        """(before, after) multipliers around the sum (DeepSpeed's averaging rules, §3.9)."""
-        return averaging_factors(self.precision, self.world_size)
-
-    def _finish(self, flight: _InFlight) -> None:
-        if flight.work is not None:
-            flight.work.wait()
-        _, after = self._averaging()
-        if after != 1.0:
-            flight.output.mul_(after)
+    def _store(self, output: torch.Tensor, params: list[ZeroParameter]) -> None:
+        """A finished reduce-scatter: average, then add each parameter's slice into its partition."""
+        if self.after != 1.0:
+            output.mul_(self.after)
         offset = 0
-        for param in flight.params:
+        for param in params:
             size = param.partition_numel()
-            slot = self._slots[id(param)]
+            slot = self.slots[id(param)]
             dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
-            reduced = flight.output.narrow(0, offset, size)
-            if not self._offloaded(slot.sub_group):
+            reduced = output.narrow(0, offset, size)
+            if not self.on_host(slot.sub_group):
                 dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
             else:   # [Note: offloaded gradients at stage 3]
                 self.sink.add(dest, _for_host_add(reduced, dest.dtype))  # type: ignore[union-attr]
             offset += size
 
-    def backward_epilogue(self, is_boundary: bool) -> None:
+    def end_backward(self) -> None:
+        """After each backward: the deferred leaf-module gradients join, then `finish`."""
         self._reduce_deferred()
-        self._finish_reductions()
+        self.finish()
 
-    def _finish_reductions(self) -> None:
+    def finish(self) -> None:
+        """Reduce the open bucket, wait for every reduction, land the host copies."""
         self._flush_bucket()
-        while self._in_flight:
-            self._finish(self._in_flight.pop(0))
+        self._in_flight.drain()
         if self.sink is not None:
             self.sink.synchronize()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
-        self.parameter_offload.partition_all_parameters()

@@ -48,11 +48,12 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, optimizer_state_tensors, tensor_bytes
+from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
+                                              tensor_bytes)
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, scale_, unscale_and_clip_factor
+from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.host_grads import HostGradientSink
@@ -136,18 +137,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
                  param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision.clip_grad)
+        self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
         self.sink = None if offload is None else HostGradientSink(_offload_pin_memory(zero_config))
         # [Note: offloaded gradients] host gradients: the step's scalar collectives run here.
         self._comm_device = None if offload is None else torch.device(get_accelerator().current_device_name())
-        self.precision = precision
         self.settings = _ZeroSettings.from_config(zero_config)
         _warn_ignored(zero_config)
         self.dp_process_group = dp_group
         self.dp_rank = comm.get_rank(dp_group)
         self.dp_world_size = comm.get_world_size(dp_group)
         self.partition_gradients = partition_grads
+        self.supports_no_sync = not partition_grads
         self.zero_stage = 2 if partition_grads else 1
         self.groups = [self._init_group(index, group, param_names)
                        for index, group in enumerate(init_optimizer.param_groups)]
@@ -314,29 +315,20 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                                   self.precision.communication_dtype, group.partition_grad)
         self._unreduced = False
 
-    # --- step -------------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
+    # --- step ([Note: one step] in base_optimizer.py) -------------------------------------------
+    def _step_gradients(self) -> StepGradients:
         if self._unreduced:
             self.backward_epilogue(is_boundary=True)
-        grads = [g.partition_grad for g in self.groups]
-        scale, device = self.loss_scaler.cur_scale, self._comm_device
-        self.overflow = self.precision.check_overflow and any_non_finite(grads, group=self.dp_process_group,
-                                                                         comm_device=device)
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self._global_grad_norm = None
-            self.zero_grad()
-            return
-        scaled_norm = global_norm(grads, group=self.dp_process_group, partitioned=True, comm_device=device)
-        self._global_grad_norm = scaled_norm / scale
-        combined = unscale_and_clip_factor(scaled_norm, scale, self.clip_grad)
+        return StepGradients([g.partition_grad for g in self.groups], self.dp_process_group, self._comm_device)
+
+    def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         if self.offload is not None:
-            self.offload.step(grads, 1.0 / combined)
+            self.offload.step(grads, multiplier)
             self._publish_params()
             return
         for group, grad in zip(self.groups, grads):
             group.master.grad = grad if grad.dtype == group.master.dtype else grad.to(group.master.dtype)
-        scale_([g.master.grad for g in self.groups], 1.0 / combined)
+        scale_([g.master.grad for g in self.groups], multiplier)
         self.optimizer.step()
         for group in self.groups:
             group.master.grad = None
@@ -378,6 +370,18 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     @property
     def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
         return [g.params for g in self.groups]
+
+    def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return self.bit16_groups
+
+    def refresh_fp32_params(self) -> None:
+        """The fp32 masters from the (just loaded) lp partitions, then every rank's flat buffer."""
+        for index, group in enumerate(self.groups):
+            if self.offload is not None:
+                self.offload.load_master_partition(index, group.lp_partition.detach().to("cpu", _MASTER_DTYPE))
+            elif group.master.data_ptr() != group.lp_partition.data_ptr():
+                group.master.copy_(group.lp_partition)
+        self._publish_params()
 
     @property
     def bit16_groups_flat(self) -> list[torch.Tensor]:

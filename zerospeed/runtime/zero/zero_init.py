@@ -8,8 +8,8 @@ constructed: no rank ever holds the full model.
 Every parameter is partitioned, whatever its size (DeepSpeed does the same: its placeholder
 `param.data` has 0 elements). The stage-3 persistence threshold is *not* applied here: the engine
 applies it at `initialize` (`DeepSpeedZeRoOffload._mark_persistent`), as DeepSpeed's
-`DeepSpeedZeRoOffload.mark_persistent_parameters` does. With a config, `ds_persist` is set as
-DeepSpeed's `Init._convert_to_deepspeed_param` sets it, for code that reads it before `initialize`.
+`DeepSpeedZeRoOffload.mark_persistent_parameters` does; until then `ds_persist` is False (as in
+DeepSpeed for a model built before any engine exists, checked side by side in tests/compat).
 
 A config (dict, path, or `DeepSpeedConfig`) may still hold Hugging Face's ``"auto"`` values:
 transformers calls `zero.Init` before it fills the hidden-size-dependent ones. Only the sections
@@ -27,7 +27,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.config_utils import warn_config
-from zerospeed.runtime.zero.param_state import is_zero_param, set_persist
+from zerospeed.runtime.zero.param_state import is_zero_param
 
 __all__ = ["Init"]
 
@@ -93,7 +93,6 @@ class Init:
         _warn_ignored({"mem_efficient_linear": mem_efficient_linear, "pin_memory": pin_memory, **ignored})
         self.dtype = dtype
         self.device = _target_device(remote_device)
-        self.persistence_threshold = settings.persistence_threshold if settings is not None else None
         self._patched: dict[type, Any] = {}
         self.peak_full_numel = 0
         if module is not None and enabled:
@@ -175,9 +174,7 @@ class Init:
             if self.dtype is not None and param.is_floating_point():
                 param.data = param.data.to(self.dtype)
             param.data = param.data.to(self.device)  # partitions live on the accelerator (or remote_device)
-            zparam = _convert(param, self.group, name=f"{type(module).__name__}.{name}")
-            if self.persistence_threshold is not None and zparam.zs_state.numel <= self.persistence_threshold:
-                set_persist(zparam, True)  # a flag only: the data is partitioned like every other
+            _convert(param, self.group, name=f"{type(module).__name__}.{name}")
 
 
 def _convert(param: torch.nn.Parameter, group: Any, name: str) -> Any:
@@ -190,12 +187,12 @@ def _convert(param: torch.nn.Parameter, group: Any, name: str) -> Any:
 class InitSettings:
     """What zero.Init takes from a ds_config."""
 
-    def __init__(self, dtype: torch.dtype, remote_device: str | None, persistence_threshold: int) -> None:
-        self.dtype, self.remote_device, self.persistence_threshold = dtype, remote_device, persistence_threshold
+    def __init__(self, dtype: torch.dtype, remote_device: str | None) -> None:
+        self.dtype, self.remote_device = dtype, remote_device
 
 
 def init_settings(config: Any) -> InitSettings | None:
-    """The dtype, offload device and persistence threshold a zero.Init config asks for (None: no config).
+    """The dtype and offload device a zero.Init config asks for (None: no config).
 
     As DeepSpeed's `_set_dtype`: bf16 enabled -> bfloat16, fp16 -> half, else float32; the
     parameter-offload device replaces `remote_device`.
@@ -211,7 +208,7 @@ def init_settings(config: Any) -> InitSettings | None:
     dtype = torch.bfloat16 if root.bf16.enabled else torch.float16 if root.fp16.enabled else torch.float32
     zero = root.zero_optimization
     device = zero.offload_param.device.value if zero.offload_param is not None else None
-    return InitSettings(dtype, device, zero.param_persistence_threshold)
+    return InitSettings(dtype, device)
 
 
 def _target_device(remote_device: Any) -> torch.device:

@@ -1,0 +1,156 @@
+"""Runs one stage's instruction stream: the buffers and one small method per instruction.
+
+The schedule decides the order (schedule.py); this module only does what each instruction says,
+on the buffers of its chunk. Buffers hold, per (chunk, buffer_id): the stage's input (loaded or
+received; kept until its gradient is sent back), its output (kept until backward), the output's
+incoming gradients, and on the last virtual stage the labels and the micro-batch loss.
+
+[Note: pipelined backward and the optimizer wrapper]
+Every BackwardPass is one micro-batch's backward to the optimizer wrapper with `is_boundary`
+False: it accumulates (ZeRO-2 also reduce-scatters, as it does per micro-batch anyway). The data-
+parallel reduction of the rest happens once, at ReduceGrads, as `backward_epilogue(True)`. The
+last stage divides each micro-batch loss by the number of micro-batches, so gradients are
+averaged over micro-batches exactly once (DeepSpeed#7773 summed them for years).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from zerospeed.runtime.pipe import instructions as ins
+from zerospeed.runtime.pipe import p2p
+
+__all__ = ["StageExecutor"]
+
+
+@dataclasses.dataclass
+class _Buffer:
+    inputs: Any = None
+    outputs: Any = None
+    grads: list[torch.Tensor] | None = None
+    labels: Any = None
+    loss: torch.Tensor | None = None
+
+
+class StageExecutor:
+    """Executes instructions for one batch; built per train_batch / eval_batch call."""
+
+    def __init__(self, engine: Any, data_iter: Iterator[Any] | None, training: bool, compute_loss: bool = True) -> None:
+        self.engine = engine
+        self.module = engine.module
+        self.data_iter = data_iter
+        self.training = training
+        self.compute_loss = compute_loss
+        self.num_stages = engine.num_stages
+        self.stage_id = engine.stage_id
+        self.last_virtual = self.num_stages * self.module.num_chunks - 1
+        self.buffers: dict[tuple[int, int], _Buffer] = {}
+        self.losses: list[torch.Tensor] = []   # per micro-batch, in micro-batch order, last virtual stage
+        self.logits: list[Any] = []
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ins.LoadMicroBatch: self._load, ins.ForwardPass: self._forward, ins.BackwardPass: self._backward,
+            ins.SendActivation: self._send_activation, ins.RecvActivation: self._recv_activation,
+            ins.SendGrad: self._send_grad, ins.RecvGrad: self._recv_grad,
+            ins.ReduceTiedGrads: self._reduce_tied_grads, ins.ReduceGrads: self._reduce_grads,
+            ins.OptimizerStep: self._optimizer_step,
+        }
+
+    def run(self, schedule: Any) -> None:
+        for step in schedule:
+            for cmd in step:
+                self._handlers[type(cmd)](cmd)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _buffer(self, cmd: ins.BufferOpInstruction) -> _Buffer:
+        return self.buffers.setdefault((cmd.chunk_id, cmd.buffer_id), _Buffer())
+
+    def _virtual(self, cmd: ins.BufferOpInstruction) -> int:
+        return cmd.chunk_id * self.num_stages + self.stage_id
+
+    def _peer(self, offset: int) -> int:
+        return self.engine.grid.stage_to_global((self.stage_id + offset) % self.num_stages)
+
+    def _to_device(self, value: Any) -> Any:
+        if torch.is_tensor(value):
+            return value.to(self.engine.device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._to_device(v) for v in value)
+        return value
+
+    # --- instructions -------------------------------------------------------------------------
+    def _load(self, cmd: ins.LoadMicroBatch) -> None:
+        if self.data_iter is None:
+            raise ValueError("the first and last pipeline stages need a data iterator: pass data_iter= or "
+                             "training_data= to deepspeed.initialize")
+        batch = next(self.data_iter)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError("each pipeline batch must be a pair (inputs, labels); got "
+                            f"{type(batch).__name__}")
+        buffer, virtual = self._buffer(cmd), self._virtual(cmd)
+        if virtual == 0:
+            buffer.inputs = self._to_device(batch[0])
+        if virtual == self.last_virtual:
+            buffer.labels = self._to_device(batch[1])
+
+    def _forward(self, cmd: ins.ForwardPass) -> None:
+        buffer = self._buffer(cmd)
+        outputs = self.module(buffer.inputs, chunk=cmd.chunk_id) if self.module.num_chunks > 1 \
+            else self.module(buffer.inputs)
+        if self._virtual(cmd) != self.last_virtual:
+            buffer.outputs = outputs
+            return
+        loss_fn = self.module.loss_fn
+        if self.compute_loss and loss_fn is not None:
+            buffer.loss = loss_fn(outputs, buffer.labels)
+        else:
+            buffer.loss = outputs
+        if not self.training and self.engine.eval_return_logits:
+            self.logits.append(outputs)
+        self.losses.append(buffer.loss.detach() if torch.is_tensor(buffer.loss) else buffer.loss)
+
+    def _backward(self, cmd: ins.BackwardPass) -> None:
+        buffer, wrapper = self._buffer(cmd), self.engine.optimizer
+        wrapper.prepare_backward(False)
+        if self._virtual(cmd) == self.last_virtual:
+            loss = buffer.loss / self.engine.micro_batches
+            wrapper.scale_loss(loss).backward()
+        else:
+            outputs = p2p.grad_carrying(buffer.outputs)
+            if outputs:
+                torch.autograd.backward(outputs, buffer.grads)
+        wrapper.backward_epilogue(False)
+        buffer.outputs = buffer.grads = buffer.loss = buffer.labels = None
+
+    def _send_activation(self, cmd: ins.SendActivation) -> None:
+        p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device)
+        if not self.training:
+            self._buffer(cmd).outputs = None
+
+    def _recv_activation(self, cmd: ins.RecvActivation) -> None:
+        self._buffer(cmd).inputs = p2p.recv_activations(self._peer(-1), self.engine.device)
+
+    def _send_grad(self, cmd: ins.SendGrad) -> None:
+        buffer = self._buffer(cmd)
+        p2p.send_grads(buffer.inputs, self._peer(-1))
+        buffer.inputs = None
+
+    def _recv_grad(self, cmd: ins.RecvGrad) -> None:
+        buffer = self._buffer(cmd)
+        buffer.grads = p2p.recv_grads(buffer.outputs, self._peer(+1))
+
+    def _reduce_tied_grads(self, cmd: ins.ReduceTiedGrads) -> None:
+        wrapper = self.engine.optimizer
+        wrapper.prepare_backward(False)
+        self.module.tied_comms.reduce_and_inject()
+        wrapper.backward_epilogue(False)
+
+    def _reduce_grads(self, cmd: ins.ReduceGrads) -> None:
+        self.engine.optimizer.prepare_backward(False)
+        self.engine.optimizer.backward_epilogue(True)
+
+    def _optimizer_step(self, cmd: ins.OptimizerStep) -> None:
+        self.engine._pipeline_optimizer_step()
