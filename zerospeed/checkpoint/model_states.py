@@ -14,7 +14,7 @@ import torch
 
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION
-from zerospeed.checkpoint.zero_checkpoint import stage0_optimizer_entry, trainable_names_per_group
+from zerospeed.checkpoint.zero_checkpoint import stage0_optimizer_entry
 
 __all__ = ["build_model_states", "persistent_buffer_names", "shared_param_names"]
 
@@ -41,10 +41,7 @@ def shared_param_names(module: torch.nn.Module) -> dict[str, str]:
 
 
 def _param_shapes(engine: Any) -> list[OrderedDict[str, torch.Size]]:
-    if hasattr(engine.optimizer, "param_shapes"):   # stage 3: the module's params are (0,) placeholders
-        return [OrderedDict(group) for group in engine.optimizer.param_shapes()]
-    named = dict(engine.module.named_parameters())
-    return [OrderedDict((name, named[name].shape) for name in group) for group in trainable_names_per_group(engine)]
+    return [OrderedDict(group) for group in engine.optimizer.param_shapes(engine.param_names)]
 
 
 def _frozen(engine: Any) -> tuple[OrderedDict[str, torch.Size], dict[str, torch.Tensor]]:

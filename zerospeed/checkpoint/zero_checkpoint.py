@@ -60,13 +60,7 @@ def discover(tag_dir: str, bf16_first: bool) -> SavedLayout:
 # --- what the current wrapper holds ---------------------------------------------------------------
 def trainable_names_per_group(engine: Any) -> list[list[str]]:
     """Trainable parameter names per optimizer group, in the wrapper's (flat) order."""
-    wrapper = engine.optimizer
-    if hasattr(wrapper, "bit16_groups"):
-        return [[engine.param_names[p] for p in group] for group in wrapper.bit16_groups]
-    if hasattr(wrapper, "fp16_groups"):   # stage 3: one list per sub-group
-        return [[engine.param_names[p] for p in group] for group in wrapper.fp16_groups]
-    return [[names[i] for i, t in enumerate(trainable) if t]
-            for names, trainable in zip(*stage0_param_names(engine))]
+    return [[engine.param_names[p] for p in group] for group in engine.optimizer.trainable_param_groups()]
 
 
 def stage0_param_names(engine: Any) -> tuple[list[list[str]], list[list[bool]]]:
@@ -155,12 +149,7 @@ def _restore_weights(engine: Any, saved: SavedLayout, model_state: dict[str, Any
 
 def _restore_from_module(engine: Any) -> None:
     """DeepSpeed's `_restore_from_bit16_weights`: fp32 masters re-derived from the module weights."""
-    wrapper = engine.optimizer
-    if hasattr(wrapper, "refresh_fp32_params"):
-        wrapper.refresh_fp32_params()
-        return
-    full = FullOptimizerState(fp32={n: p.detach().float() for n, p in engine.module.named_parameters()})
-    import_full_state(engine, full, load_optimizer_states=False)
+    engine.optimizer.refresh_fp32_params()
 
 
 def import_full_state(engine: Any, full: FullOptimizerState, load_optimizer_states: bool) -> None:
@@ -235,7 +224,7 @@ def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states:
     for g, group_names in enumerate(trainable_names_per_group(engine)):
         lean = current[C.SINGLE_PARTITION_OF_FP32_GROUPS][g]
         partition_numel = lean.numel() + int(current[C.GROUP_PADDINGS][g])
-        offsets = _flat_offsets(engine, wrapper.bit16_groups[g], group_names)
+        offsets = _flat_offsets(engine, wrapper.trainable_param_groups()[g], group_names)
         group_start = dp_rank * partition_numel
         new_lean = torch.zeros_like(lean)
         moments: dict[str, torch.Tensor] = {}
@@ -265,7 +254,7 @@ def _import_zero3(engine: Any, full: FullOptimizerState, load_optimizer_states: 
     dp_rank, base = _dp_rank(engine), current[C.OPTIMIZER_STATE_DICT]
     indices = [index for group in base["param_groups"] for index in group["params"]]
     state: dict[int, dict[str, Any]] = {}
-    for k, params in enumerate(wrapper.fp16_groups):
+    for k, params in enumerate(wrapper.trainable_param_groups()):
         flat = torch.zeros_like(current[C.FP32_FLAT_GROUPS][k])
         moments: dict[str, torch.Tensor] = {}
         scalars: dict[str, Any] = {}
