@@ -20,16 +20,18 @@ over the expert-parallel group (one copy of each expert), those of the rest stay
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.grad_utils import sum_of_squares
 from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
 from zerospeed.runtime.precision import PrecisionSettings
 
-__all__ = ["GroupedAllReduce", "expert_group_name", "reduction_plan"]
+__all__ = ["GroupedAllReduce", "expert_group_name", "expert_norm_groups", "grouped_norm", "reduction_plan"]
 
 DENSE = ""  # reduction key of ordinary parameters
 
@@ -106,10 +108,6 @@ def expert_norm_groups(params: list[torch.Tensor], grads: list[torch.Tensor]) ->
 
 def grouped_norm(parts: list[tuple[list[torch.Tensor], Any]]) -> float:
     """sqrt of the sum over parts of their squares, each part's sum reduced over its group (None: local)."""
-    import math
-
-    from zerospeed.runtime.grad_utils import sum_of_squares
-
     total = 0.0
     for tensors, group in parts:
         squares = sum_of_squares(tensors).reshape(1)
