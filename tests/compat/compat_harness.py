@@ -126,7 +126,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
 def _collect(impl: str, script: str, procs: list[subprocess.Popen], logs: list[str],
              outs: list[str]) -> list[dict[str, Any]]:
     results = []
-    for rank, (proc, log, out) in enumerate(zip(procs, logs, outs)):
+    for rank, (proc, out) in enumerate(zip(procs, outs)):
         if proc.returncode != 0 or not os.path.exists(out):
             report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{text[-6000:]}"
                                for r, (p, text) in enumerate(zip(procs, logs)))

@@ -54,7 +54,7 @@ def _load_then_continue(num_stages, stage, save_dir):
 def test_resume_from_a_pipeline_checkpoint_is_bit_for_bit(tmp_path, world, num_stages, stage):
     saved = run_on_ranks(_save_then_continue, world, num_stages, stage, str(tmp_path))
     resumed = run_on_ranks(_load_then_continue, world, num_stages, stage, str(tmp_path))
-    for (losses, params, files), (losses_r, params_r, epoch, steps) in zip(saved, resumed):
+    for (losses, params, _files), (losses_r, params_r, epoch, steps) in zip(saved, resumed):
         assert losses == losses_r and epoch == 3 and steps == 4
         assert all(torch.equal(a, b) for a, b in zip(params, params_r))
     files = saved[0][2]

@@ -123,7 +123,7 @@ def lower(orders: list[list[ComputeOp]], num_chunks: int, training: bool) -> Low
         buffers, count = _assign_buffers(ordered)
         num_buffers.append(count)
         steps: list[list[PipeInstruction]] = []
-        for key, kind, op in ordered:
+        for _key, kind, op in ordered:
             cmd = kind(buffers[(op.chunk, op.micro_batch)], op.micro_batch, op.chunk)
             if kind in (ForwardPass, BackwardPass) or not steps:
                 steps.append([])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.accelerator import get_accelerator  # noqa: F401 - at DeepSpeed's path (transformers reads it)
+from zerospeed.accelerator import get_accelerator  # also at DeepSpeed's path: transformers reads it here
 from zerospeed.runtime.zero.param_state import (
     ZeroParameter,
     ZeroParamState,
@@ -118,8 +118,6 @@ def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) 
 
 
 def compute_device() -> torch.device:
-    from zerospeed.accelerator import get_accelerator
-
     return torch.device(get_accelerator().current_device_name())
 
 
