@@ -24,7 +24,7 @@ STEPS, SAVE_STEPS = 4, 2
 RUN_CLM = os.path.join(SCRIPTS, "run_clm.py")
 REFERENCE = os.path.join(SCRIPTS, "ds_reference.py")
 CONFIG_OVERRIDES = ("vocab_size=93,hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,"
-                    "num_key_value_heads=2,max_position_embeddings=64")  # token ids: defaults (None) cannot be overridden
+                    "num_key_value_heads=2,head_dim=8,max_position_embeddings=64")  # head_dim: set at __init__, not derived later
 
 
 def ds_config(stage: int) -> dict:
