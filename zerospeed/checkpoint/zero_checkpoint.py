@@ -79,7 +79,8 @@ def stage0_optimizer_entry(engine: Any) -> dict[str, Any]:
     the param names that make it reshardable."""
     state = engine.optimizer.state_dict()
     state["param_names"], state["trainable"] = stage0_param_names(engine)
-    return stage0_for_deepspeed(state, [len(g["params"]) for g in engine.optimizer.optimizer.param_groups])
+    # masters exist for trainable parameters only: a group's frozen parameters have no fp32 copy
+    return stage0_for_deepspeed(state, [sum(flags) for flags in state["trainable"]])
 
 
 def stage0_wrapper_state(engine: Any, entry: dict[str, Any]) -> dict[str, Any]:
