@@ -19,9 +19,8 @@ run launches `world_size` new interpreters with `subprocess` (this file's `__mai
 by a gloo file rendezvous (no ports). Start-up is slow (DeepSpeed's import takes seconds), so a
 script should batch several checks into one run.
 
-DeepSpeed runs with DS_ACCELERATOR=cpu. Its CPU ops (cpu_adam, ...) JIT-build with
-torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR, which is pinned to one stable directory
-(`EXTENSIONS_DIR`) so a machine builds each op once, not once per test.
+DeepSpeed runs with DS_ACCELERATOR=cpu. Its CPU ops JIT-build into the suite's own directory,
+built once per session before the first launch (`tests/deepspeed_extensions.py` says why).
 """
 
 from __future__ import annotations
@@ -43,12 +42,10 @@ IMPLS = ("deepspeed", "zerospeed")
 IMPL_ENV = "ZS_COMPAT_IMPL"
 DEEPSPEED_VERSION = "0.19.8"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXTENSIONS_DIR = os.environ.get("ZS_COMPAT_EXTENSIONS_DIR") or os.path.join(
-    os.path.expanduser("~"), ".cache", "torch_extensions", f"deepspeed-{DEEPSPEED_VERSION}")
 DEFAULT_TIMEOUT_S = 600.0
 
 __all__ = ["IMPLS", "CompatRunError", "RankContext", "run_script", "run_both", "deepspeed_available",
-           "require_deepspeed", "EXTENSIONS_DIR"]
+           "require_deepspeed"]
 
 
 class CompatRunError(RuntimeError):
@@ -82,7 +79,9 @@ def _rank_env(impl: str, rank: int, world_size: int) -> dict[str, str]:
            "WORLD_SIZE": str(world_size), "LOCAL_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
     if impl == "deepspeed":
-        env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=EXTENSIONS_DIR)
+        from deepspeed_extensions import deepspeed_env  # parent side only: tests/ is on its path
+
+        env.update(deepspeed_env())
     else:
         env["ZS_ACCELERATOR"] = "cpu"
     return env
@@ -93,6 +92,10 @@ def run_script(script: str, impl: str, workdir: str, world_size: int = 2,
     """Run `script`'s `main(ds, ctx, **params)` on `world_size` fresh gloo ranks of `impl`."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
+    if impl == "deepspeed":
+        from deepspeed_extensions import prepare_deepspeed_ops
+
+        prepare_deepspeed_ops()
     os.makedirs(workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"zs-compat-{impl}-") as scratch:
         spec = {"script": os.path.abspath(script), "workdir": os.path.abspath(workdir),
@@ -117,6 +120,9 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
         except subprocess.TimeoutExpired:
             for other in procs:   # the others may wait in a collective for the stuck rank
                 other.kill()
+            from deepspeed_extensions import clear_stale_locks
+
+            clear_stale_locks()   # a killed DeepSpeed rank may have held an op's build lock
             out, _ = proc.communicate()
             out += f"\n[compat harness] killed after {timeout_s:.0f}s"
         logs.append(out)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+
+from deepspeed_extensions import clear_stale_locks, deepspeed_env, prepare_deepspeed_ops
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
@@ -44,7 +47,8 @@ def client_env(alias: str | None) -> dict[str, str]:
     """Environment of one side: `alias` is the alias directory (zerospeed) or None (DeepSpeed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZS_", "DS_", "ACCELERATE_"))}
     paths = [alias, REPO_ROOT] if alias else []
-    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", ZS_ACCELERATOR="cpu",
+    env.update(deepspeed_env())
+    env.update(PYTHONPATH=os.pathsep.join(paths), ZS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", PYTHONWARNINGS="ignore",
                CUDA_VISIBLE_DEVICES="")  # ACCELERATE_* stripped above: ACCELERATE_USE_CPU would mean DDP
@@ -52,14 +56,29 @@ def client_env(alias: str | None) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], alias: str | None, cwd: str, timeout_s: float = 420.0) -> str:
-    """Run a launcher command; on failure raise with its output (the last 6000 characters)."""
-    proc = subprocess.run(cmd, cwd=cwd, env=client_env(alias), capture_output=True, text=True, timeout=timeout_s)
-    output = proc.stdout + proc.stderr
+def run(cmd: list[str], alias: str | None, cwd: str, timeout_s: float = 600.0) -> str:
+    """Run a launcher command; on failure raise with its output (the last 6000 characters).
+
+    The launcher gets a session of its own, so that a timeout kills its ranks too (killing only
+    the launcher would leave them running, holding ports, CPU and perhaps an op's build lock)."""
+    if alias is None:
+        prepare_deepspeed_ops()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=client_env(alias), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        clear_stale_locks()
+        raise AssertionError(f"{_side(alias)}: {' '.join(cmd)} ran over {timeout_s:.0f} s:\n{output[-6000:]}") from None
     if proc.returncode != 0:
-        side = "zerospeed" if alias else "DeepSpeed"
-        raise AssertionError(f"{side}: {' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}")
+        raise AssertionError(f"{_side(alias)}: {' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def _side(alias: str | None) -> str:
+    return "zerospeed" if alias else "DeepSpeed"
 
 
 def make_assets(root: str) -> dict[str, str]:

@@ -209,13 +209,21 @@ def _wait_for_nodes(procs: list[subprocess.Popen], stop: threading.Event, receiv
     deadline = time.monotonic() + 30  # the node launchers stop their ranks on the abort
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not stop.is_set():
         time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
+    _stop_commands(procs)
+    return failed_code
+
+
+def _stop_commands(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM the node commands (ssh, pdsh, mpirun, srun) still running, SIGKILL them after
+    `grace_s`: a client that ignores SIGTERM must not keep the runner waiting forever."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+        _wait_until(lambda: all(p.poll() is not None for p in procs), grace_s)
     for p in procs:
         p.wait()
-    return failed_code
 
 
 def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:

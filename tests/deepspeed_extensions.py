@@ -1,0 +1,69 @@
+"""Where real DeepSpeed (the reference side of tests/compat and tests/integrations) builds its
+CPU ops, and why a build lock can never hang the suite.
+
+DeepSpeed 0.19.8 on the CPU accelerator JIT-builds ops with torch.utils.cpp_extension: the shared
+memory collective op at `init_distributed`, cpu_adam when an offloaded or CPU Adam is used. Every
+load, even of an op built long ago, takes a file lock (`<op>/lock`, torch's FileBaton) and waits
+for it without a timeout. A process killed while holding it (a timed-out test, a rank killed when
+its peer failed) leaves the lock behind, and every later DeepSpeed launch then waits forever; and
+several launches started together on a fresh machine all compile at once on two cores.
+
+So the suite pins one directory of its own, clears the locks left in it at the start of each
+session (nobody else builds there), and builds the two ops once, serially, before any side-by-side
+launch. `ZS_COMPAT_EXTENSIONS_DIR` overrides the directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import subprocess
+import sys
+
+DEEPSPEED_VERSION = "0.19.8"
+EXTENSIONS_DIR = os.environ.get("ZS_COMPAT_EXTENSIONS_DIR") or os.path.join(
+    os.path.expanduser("~"), ".cache", "torch_extensions", f"deepspeed-{DEEPSPEED_VERSION}")
+PREBUILD_TIMEOUT_S = 900
+
+_PREBUILD = ("from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
+             "ShareMemCommBuilder().load(verbose=False)\n"
+             "CPUAdamBuilder().load(verbose=False)\n")
+
+__all__ = ["EXTENSIONS_DIR", "clear_stale_locks", "deepspeed_env", "prepare_deepspeed_ops"]
+
+
+def deepspeed_env() -> dict[str, str]:
+    """What a process running real DeepSpeed on CPU needs in its environment."""
+    return {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": EXTENSIONS_DIR}
+
+
+def clear_stale_locks() -> list[str]:
+    """Remove the build locks under EXTENSIONS_DIR; call only when no DeepSpeed process of this
+    suite is loading an op (session start, or after the suite killed such processes)."""
+    removed = []
+    for lock in glob.glob(os.path.join(EXTENSIONS_DIR, "*", "lock")):
+        try:
+            os.remove(lock)
+            removed.append(lock)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+@functools.cache
+def prepare_deepspeed_ops() -> None:
+    """Once per session: clear stale locks, then build DeepSpeed's CPU ops in one process."""
+    clear_stale_locks()
+    os.makedirs(EXTENSIONS_DIR, exist_ok=True)
+    env = {**os.environ, **deepspeed_env()}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PREBUILD], env=env, capture_output=True, text=True,
+                              timeout=PREBUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        clear_stale_locks()
+        raise RuntimeError(f"building DeepSpeed's CPU ops in {EXTENSIONS_DIR} took over "
+                           f"{PREBUILD_TIMEOUT_S} s") from exc
+    if proc.returncode != 0:
+        raise RuntimeError(f"building DeepSpeed's CPU ops in {EXTENSIONS_DIR} failed:\n"
+                           f"{(proc.stdout + proc.stderr)[-4000:]}")
