@@ -100,24 +100,53 @@ def _same_params(ours: dict, theirs: dict, rtol: float, what: str) -> None:
                                    msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
+STAGES = (0, 1, 2)
+
+
 def test_moe_training_and_checkpoints_cross_with_deepspeed(tmp_path) -> None:
-    """Stage 0, fp32, ep_size 2 on 2 ranks: equal losses and parameters; then each library loads the
-    other's checkpoint (experts per global id, per-ep-rank optimizer files with the momentum) and
-    both resume alike."""
+    """fp32, ep_size 2 on 2 ranks, ZeRO 0, 1 and 2 (one engine after the other in the same two launches
+    per library): equal losses and parameters; then each library loads the other's checkpoint (experts
+    per global id; at stage 0 the per-ep-rank optimizer files, at 1/2 the ZeRO partitions, whose expert
+    groups are partitioned over the expert-data-parallel group) and both resume alike. zero_to_fp32 of
+    each library's checkpoint is the whole trained model, experts included."""
     from compat_harness import run_both
 
-    # SGD, not Adam: Adam's update hides a wrongly scaled gradient.
-    trained = run_both(SCRIPT, str(tmp_path / "train"), steps=3, optimizer="SGD")
-    for rank, (theirs, ours) in enumerate(zip(trained["deepspeed"], trained["zerospeed"])):
-        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)
-        _same_params(ours["params"], theirs["params"], 1e-5, f"rank {rank} trained")
-    crossed = {"deepspeed": str(tmp_path / "train" / "zerospeed" / "ckpt"),
-               "zerospeed": str(tmp_path / "train" / "deepspeed" / "ckpt")}
-    resumed = run_both(SCRIPT, str(tmp_path / "resume"), steps=2, load_from=crossed, optimizer="SGD")
-    for rank in range(2):
-        for impl, other in (("deepspeed", "zerospeed"), ("zerospeed", "deepspeed")):
-            # Bit for bit: the loaded weights are exactly what the other library saved.
-            assert resumed[impl][rank]["loaded"] == trained[other][rank]["params"], f"{impl} loading {other}'s"
-        theirs, ours = resumed["deepspeed"][rank], resumed["zerospeed"][rank]
-        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)
-        _same_params(ours["params"], theirs["params"], 1e-5, f"rank {rank} resumed")
+    # SGD with momentum, not Adam: Adam's update hides a wrongly scaled gradient; the momentum is the
+    # optimizer state that must cross.
+    trained = run_both(SCRIPT, str(tmp_path / "train"), steps=3, optimizer="SGD", stages=STAGES)
+    for stage in map(str, STAGES):
+        for rank, (theirs, ours) in enumerate(zip(trained["deepspeed"], trained["zerospeed"])):
+            torch.testing.assert_close(torch.tensor(ours[stage]["losses"]), torch.tensor(theirs[stage]["losses"]),
+                                       rtol=1e-5, atol=0)
+            _same_params(ours[stage]["params"], theirs[stage]["params"], 1e-5, f"stage {stage} rank {rank} trained")
+    _check_zero_to_fp32(tmp_path / "train", trained)
+    crossed = {"deepspeed": str(tmp_path / "train" / "zerospeed"), "zerospeed": str(tmp_path / "train" / "deepspeed")}
+    resumed = run_both(SCRIPT, str(tmp_path / "resume"), steps=2, load_from=crossed, optimizer="SGD", stages=STAGES)
+    for stage in map(str, STAGES):
+        for rank in range(2):
+            for impl, other in (("deepspeed", "zerospeed"), ("zerospeed", "deepspeed")):
+                # Bit for bit: the loaded weights are exactly what the other library saved.
+                assert resumed[impl][rank][stage]["loaded"] == trained[other][rank][stage]["params"], \
+                    f"stage {stage}: {impl} loading {other}'s"
+            theirs, ours = resumed["deepspeed"][rank][stage], resumed["zerospeed"][rank][stage]
+            torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)
+            _same_params(ours["params"], theirs["params"], 1e-5, f"stage {stage} rank {rank} resumed")
+
+
+def _check_zero_to_fp32(root, trained: dict) -> None:
+    """Our zero_to_fp32 on either library's MoE checkpoint gives every trained parameter exactly
+    (fp32 training: the masters are the weights), experts from their per-expert files."""
+    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for impl in ("deepspeed", "zerospeed"):
+        for stage in map(str, STAGES):
+            expected = {f"net.{name}": values for rank in (0, 1) for name, values in
+                        trained[impl][rank][stage]["params"].items()}
+            state = get_fp32_state_dict_from_zero_checkpoint(str(root / impl / f"ckpt_s{stage}"))
+            order = ["inp.", "moe.deepspeed_moe.gate.", *(f"deepspeed_experts.{e}." for e in range(4)), "head."]
+            assert [next(i for i, part in enumerate(order) if part in name) for name in state] == sorted(
+                next(i for i, part in enumerate(order) if part in name) for name in state), list(state)
+            assert sorted(state) == sorted(expected), f"zero_to_fp32 of {impl}'s stage-{stage} checkpoint"
+            for name, values in expected.items():
+                assert state[name].dtype == torch.float32
+                assert state[name].flatten().double().tolist() == values, f"{impl} stage {stage}: {name}"

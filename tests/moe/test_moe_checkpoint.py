@@ -12,6 +12,7 @@ from test_moe_engine import MICRO, MoEModel, _batches, _shard
 
 import zerospeed
 from zerospeed.checkpoint.manifest import load_file
+from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 STEPS = 2
 
@@ -60,12 +61,14 @@ def _save_then_resume(save_dir: str, ep_size: int, stage: int) -> dict:
     engine, model = _engine(ep_size, stage)
     _train(engine, batches[:1], rank, world_size)
     engine.save_checkpoint(save_dir, tag="t")
+    saved = _global_params(model)
     continued = _train(engine, batches[1:], rank, world_size)
     expected = _global_params(model)
     engine, model = _engine(ep_size, stage)
     engine.load_checkpoint(save_dir, tag="t")
     resumed = _train(engine, batches[1:], rank, world_size)
-    return {"continued": continued, "resumed": resumed, "expected": expected, "got": _global_params(model)}
+    return {"continued": continued, "resumed": resumed, "expected": expected, "got": _global_params(model),
+            "saved": saved}
 
 
 @pytest.mark.parametrize("world_size,ep_size,stage", [(2, 2, 0), (4, 2, 0), (4, 2, 2)])
@@ -88,6 +91,16 @@ def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int
     expert_3 = load_file(os.path.join(tag_dir, "layer_0_expert_3_mp_rank_00_model_states.pt"))
     assert sorted(expert_3) == [f"moe.deepspeed_moe.experts.deepspeed_experts.3.{n}"
                                 for n in ("0.bias", "0.weight", "2.bias", "2.weight")]
+    # zero_to_fp32 gives the whole model as saved, every expert once under its global id
+    # ([Note: MoE checkpoints in zero_to_fp32]); fp32 training, so bit for bit.
+    full = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
+    saved = {name: value for result in results for name, value in result["saved"].items()}
+    experts = [name for result in results[:ep_size] for name in result["saved"] if "deepspeed_experts." in name]
+    dense = [name for name in results[0]["saved"] if "deepspeed_experts." not in name]
+    head = dense.index("head.weight")   # module order: every expert sits between the gate and the head
+    assert list(full) == dense[:head] + experts + dense[head:]
+    for name, value in saved.items():
+        assert full[name].dtype == torch.float32 and torch.equal(full[name], value), name
 
 
 def _save(save_dir: str, ep_size: int) -> dict:

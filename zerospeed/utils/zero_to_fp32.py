@@ -18,6 +18,15 @@ output shard plus that shard's input pages, not the model size.
 Layouts read (reference §7.4): stage 1/2 (lean fp32 partitions concatenated in rank order, cut
 by `param_shapes`), stage 3 (each parameter split into ceil(numel/W) chunks per rank), and
 zerospeed's stage 0 (no optim files: fp32 masters or fp32 module weights from the model file).
+
+[Note: MoE checkpoints in zero_to_fp32]
+A Mixture-of-Experts checkpoint (zerospeed/checkpoint/moe_checkpoint.py) keeps each expert in its
+own `layer_<l>_expert_<e>_mp_rank_00_model_states.pt`, under its global id; the model-states file
+and the ZeRO partitions hold the rest. At stage 1/2 the expert param groups are partitioned over
+the expert-data-parallel group, and every rank's file describes only its own experts under local
+ids, so the partitions cannot be concatenated across ranks like the other groups: those groups are
+skipped and every expert is read from its file (the module's weights: exact fp32 in fp32 training,
+the bf16/fp16 copy upcast otherwise). DeepSpeed 0.19.8's own script fails on such checkpoints.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_
            "get_optim_files"]
 
 _MANIFEST = "zs_manifest.json"
+_EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt")
+_EXPERT_KEY = ".deepspeed_moe.experts.deepspeed_experts."
 _ALLOW_PICKLE_ENV = "ZEROSPEED_CHECKPOINT_ALLOW_PICKLE"
 debug = False
 
@@ -173,12 +184,15 @@ class _ZeroCheckpoint:
 
     def __init__(self, tag_dir: str, exclude_frozen_parameters: bool, verify: bool = True) -> None:
         self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
-        self.model_files = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
-        self.optim_files = sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
+        model_files = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
+        self.expert_files = [f for f in model_files if _EXPERT_FILE.fullmatch(os.path.basename(f))]
+        self.model_files = [f for f in model_files if f not in self.expert_files]
+        self.optim_files = [f for f in sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
+                            if not os.path.basename(f).startswith("expp_rank_")]   # stage 0 MoE: per ep rank
         if not self.model_files:
             raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
         if verify:
-            _verify(tag_dir, self.model_files + self.optim_files)
+            _verify(tag_dir, self.model_files + self.optim_files + self.expert_files)
         self.model0 = _load(self.model_files[0])
         self.sources: OrderedDict[str, _Source] = OrderedDict()
 
@@ -190,6 +204,7 @@ class _ZeroCheckpoint:
             self._zero12_params()
         else:
             self._zero3_params()
+        self._experts()
         self._buffers()
         self._shared()
         return self._in_module_order()
@@ -236,6 +251,8 @@ class _ZeroCheckpoint:
 
     def _zero12_params(self) -> None:
         for g, shapes in enumerate(self.model0["param_shapes"]):
+            if self.expert_files and shapes and all(_EXPERT_KEY in name for name in shapes):
+                continue   # an expert group: [Note: MoE checkpoints in zero_to_fp32]
             leans = [state["single_partition_of_fp32_groups"][g] for state in self.optim]
             paddings = [state.get("param_alignment_paddings", [[]] * (g + 1))[g] for state in self.optim][0]
             offset = 0
@@ -297,6 +314,24 @@ class _ZeroCheckpoint:
             self.sources[name] = _Source(shape, torch.float32, lambda f=fragments, s=shape:
                                          torch.cat([x.float() for x in f]).narrow(0, 0, math.prod(s)).view(s))
 
+    def _experts(self) -> None:
+        """Every expert from its own file, under its global id ([Note: MoE checkpoints in zero_to_fp32])."""
+        for name in [n for n in self.sources if _EXPERT_KEY in n]:
+            del self.sources[name]   # local ids of rank 0's experts (stage 0 module / shapes)
+        for path in self.expert_files:
+            for name, tensor in _load(path).items():
+                if self.exclude_frozen and name not in self.trainable_experts:
+                    continue
+                self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+
+    @property
+    def trainable_experts(self) -> set[str]:
+        """Global names whose local name is a trainable param (param_shapes names rank 0's experts)."""
+        local = {re.sub(r"deepspeed_experts\.\d+\.", "deepspeed_experts.*.", n)
+                 for n in _merged_shapes(self.model0.get("param_shapes") or [])}
+        return {n for path in self.expert_files for n in _load(path)
+                if re.sub(r"deepspeed_experts\.\d+\.", "deepspeed_experts.*.", n) in local}
+
     def _buffers(self) -> None:
         module = self.model0["module"]
         for name in self.model0.get("buffer_names", []):
@@ -313,7 +348,13 @@ class _ZeroCheckpoint:
         if not any(s.nbytes for s in self.sources.values()) and not any(
                 math.prod(s.shape) for s in self.sources.values()):
             raise ValueError(f"checkpoint {self.tag_dir} holds no parameter data (all tensors empty)")
-        order = [name for name in self.model0["module"] if name in self.sources]
+        order = []
+        for name in self.model0["module"]:   # an MoE layer's experts follow its gate, as in the module
+            if name in self.sources:
+                order.append(name)
+            if ".deepspeed_moe.gate." in name:
+                prefix = name.split(".deepspeed_moe.gate.")[0] + _EXPERT_KEY
+                order += [n for n in self.sources if n.startswith(prefix) and n not in order]
         order += [name for name in self.sources if name not in set(order)]
         return OrderedDict((name, self.sources[name]) for name in order)
 

@@ -1,14 +1,18 @@
-"""Compat script: a model with an MoE layer (ep_size = world size) trained at ZeRO stage 0 in fp32,
-saved, and optionally resumed from a checkpoint — written once against DeepSpeed's public API.
+"""Compat script: a model with an MoE layer (ep_size = world size) trained in fp32 at each ZeRO stage
+asked for, saved, and optionally resumed from a checkpoint — written once against DeepSpeed's public API.
 
-`main(ds, ctx, steps, load_from=None)`: without `load_from`, train `steps` steps from a seeded
-model whose experts get weights drawn from their global id, then `save_checkpoint(ctx.path("ckpt"))`.
-With `load_from` ({impl: checkpoint dir}, so each library can be handed the other's), build a
-fresh engine, `load_checkpoint` and train `steps` more. Reports per-step losses and the parameters
+`main(ds, ctx, steps, load_from=None, stages=(0,))`: for each stage (one engine after the other in
+the same processes, so one launch covers them all), without `load_from` train `steps` steps from a
+seeded model whose experts get weights drawn from their global id, then
+`save_checkpoint(ctx.path(f"ckpt_s{stage}"))`. With `load_from` ({impl: directory holding the
+`ckpt_s<stage>` checkpoints}, so each library can be handed the other's), build a fresh engine,
+`load_checkpoint` and train `steps` more. Reports, per stage, per-step losses and the parameters
 (experts under their global ids) after loading and at the end.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -65,7 +69,11 @@ def batch(step, rank, world_size):
 OPTIMIZERS = {"AdamW": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}, "SGD": {"lr": 0.2, "momentum": 0.9}}
 
 
-def main(ds, ctx, steps, load_from=None, optimizer="AdamW"):
+def main(ds, ctx, steps, load_from=None, optimizer="AdamW", stages=(0,)):
+    return {str(stage): run_stage(ds, ctx, steps, load_from, optimizer, stage) for stage in stages}
+
+
+def run_stage(ds, ctx, steps, load_from, optimizer, stage):
     groups = ctx.submodule("utils.groups")
 
     class Wrapped(torch.nn.Module):       # the engine calls module(x, y)
@@ -78,18 +86,21 @@ def main(ds, ctx, steps, load_from=None, optimizer="AdamW"):
 
     # No clipping: DeepSpeed's stage-0 clip norm with MoE is the mean of the ranks' local norms, ours
     # counts every expert once (docs/compatibility.md), so clipped runs differ by design.
-    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True,
               "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]}}
     wrapped = Wrapped()
-    engine, _, _, _ = ds.initialize(model=wrapped, config=config)
-    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ctx.world_size}")
-    first = 0
-    result = {}
+    ep_rank = ctx.rank   # ep_size = world size: one expert-parallel group, ranks in order
     if load_from is None:
+        # Before initialize: at ZeRO 1/2 DeepSpeed copies its fp32 masters then, later writes are lost.
         with torch.no_grad():
             set_expert_weights(wrapped.net, ep_rank)
-    else:
-        engine.load_checkpoint(load_from[ctx.impl])
+    engine, _, _, _ = ds.initialize(model=wrapped, config=config)
+    assert groups._get_expert_parallel_rank(f"ep_size_{ctx.world_size}") == ep_rank
+    first = 0
+    result = {}
+    if load_from is not None:
+        engine.load_checkpoint(os.path.join(load_from[ctx.impl], f"ckpt_s{stage}"))
         first = engine.global_steps
         result["loaded"] = global_params(ctx, wrapped.net, ep_rank)
     losses = []
@@ -99,6 +110,6 @@ def main(ds, ctx, steps, load_from=None, optimizer="AdamW"):
         engine.step()
         losses.append(loss.item())
     if load_from is None:
-        engine.save_checkpoint(ctx.path("ckpt"))
+        engine.save_checkpoint(ctx.path(f"ckpt_s{stage}"))
     result.update(losses=losses, params=global_params(ctx, wrapped.net, ep_rank))
     return result
