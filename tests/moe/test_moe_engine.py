@@ -68,11 +68,15 @@ def _train(ep_size: int, k: int, drop_tokens: bool, gas: int, stage: int) -> dic
 
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = MoEModel(ep_size, k, drop_tokens)
+    # Before initialize (stage 3 partitions the parameters there): expert-parallel groups are
+    # consecutive ranks, so this rank's ep rank is rank % ep_size (checked below).
+    model.set_expert_weights(rank % ep_size)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-              "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+              "gradient_clipping": CLIP,   # stage 3: nothing persistent, every module gathers and releases
+              "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
               "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}}
     engine, optimizer, _, _ = zerospeed.initialize(model=model, config=config)
-    model.set_expert_weights(groups._get_expert_parallel_rank(model.moe.expert_group_name))
+    assert groups._get_expert_parallel_rank(model.moe.expert_group_name) == rank % ep_size
     assert engine.has_moe_layers and engine.num_experts == [NUM_EXPERTS]
     assert [g.get("moe", False) for g in optimizer.param_groups] == [False, True]
     losses, norms = [], []
@@ -90,7 +94,8 @@ def _train(ep_size: int, k: int, drop_tokens: bool, gas: int, stage: int) -> dic
             head, tail = name.split("deepspeed_experts.")
             local, rest = tail.split(".", 1)
             name = f"{head}deepspeed_experts.{ep_rank * model.moe.num_local_experts + int(local)}.{rest}"
-        params[name] = param.detach().clone()
+        with zerospeed.zero.GatheredParameters([param]):   # a no-op below stage 3
+            params[name] = param.detach().clone()
     return {"losses": losses, "norms": norms, "params": params}
 
 
@@ -124,23 +129,30 @@ def _check(results: list[dict], expected: dict, world_size: int, gas: int) -> No
 
 @pytest.mark.parametrize("world_size,ep_size,k,drop_tokens,gas,stage", [
     (2, 2, 1, True, 1, 0), (2, 2, 2, False, 2, 0), (4, 2, 2, True, 1, 0), (4, 4, 1, False, 1, 0),
-    (2, 2, 2, True, 2, 1), (4, 2, 1, True, 1, 1), (2, 2, 1, False, 1, 2), (4, 2, 2, True, 2, 2)])
+    (2, 2, 2, True, 2, 1), (4, 2, 1, True, 1, 1), (2, 2, 1, False, 1, 2), (4, 2, 2, True, 2, 2),
+    (4, 2, 2, True, 2, 3)])
 def test_moe_training_equals_dense_single_process(world_size: int, ep_size: int, k: int, drop_tokens: bool,
                                                   gas: int, stage: int) -> None:
     results = run_on_ranks(_train, world_size, ep_size, k, drop_tokens, gas, stage)
     _check(results, _reference(world_size, k, drop_tokens, gas), world_size, gas)
 
 
-def _unsupported_stage(stage: int) -> None:
+def _stage3_checkpoint(save_dir: str) -> None:
     model = MoEModel(2, 1, True)
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    with pytest.raises(ValueError, match="zero_optimization.stage"):
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    for call in (engine.save_checkpoint, engine.load_checkpoint):
+        with pytest.raises(NotImplementedError, match="zero_optimization.stage=3"):
+            call(save_dir)
+    with zerospeed.zero.Init(config_dict_or_path=config):
+        model = MoEModel(2, 1, True)
+    with pytest.raises(ValueError, match="expert parameter .* was partitioned by zero.Init"):
         zerospeed.initialize(model=model, config=config)
 
 
-def test_unsupported_zero_stage_is_a_clear_error() -> None:
-    run_on_ranks(_unsupported_stage, 2, 3)
+def test_stage3_checkpoints_and_zero_init_are_clear_errors(tmp_path: object) -> None:
+    run_on_ranks(_stage3_checkpoint, 2, str(tmp_path))
 
 
 def _unsplit_client_optimizer() -> None:

@@ -23,6 +23,7 @@ from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
+from zerospeed.runtime.engine_moe import check_moe_stage3_checkpoint
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -37,6 +38,7 @@ class EngineCheckpointing:
         """Called on every rank. See [Note: atomic save] for what a crash leaves behind."""
         if not save_dir:
             raise ValueError("save_checkpoint: save_dir must be a non-empty path")
+        check_moe_stage3_checkpoint(self, "save_checkpoint")
         tag = default_tag(self.global_steps) if tag is None else str(tag)
         self._validate_tag(tag)
         stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
@@ -76,6 +78,7 @@ class EngineCheckpointing:
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        check_moe_stage3_checkpoint(self, "load_checkpoint")
         if tag is None:
             if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
                 logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "

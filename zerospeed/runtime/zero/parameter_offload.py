@@ -44,8 +44,30 @@ from zerospeed.runtime.zero.partition_parameters import (
 from zerospeed.runtime.zero.offload_client_hooks import OffloadClientHooks
 from zerospeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-__all__ = ["DeepSpeedZeRoOffload", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+__all__ = ["DeepSpeedZeRoOffload", "check_partition_group", "partition_group", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "z3_leaf_module"]
+
+
+def partition_group(param: torch.nn.Parameter, dp_group: Any) -> Any:
+    """[Note: MoE at stage 3] An expert parameter (`allreduce=False`, `group_name`) is partitioned over
+    its expert-data-parallel group: the ranks that hold the same experts. Every other parameter over
+    the data-parallel group."""
+    if getattr(param, "allreduce", True) is False and hasattr(param, "group_name"):
+        from zerospeed.utils import groups
+
+        return groups._get_expert_data_parallel_group(param.group_name)
+    return dp_group
+
+
+def check_partition_group(param: torch.nn.Parameter, dp_group: Any, name: str) -> None:
+    """A parameter partitioned by zero.Init (over the data-parallel group, before any expert group
+    existed) cannot serve as an expert parameter."""
+    wanted = partition_group(param, dp_group)
+    # (the MoE layer deep-copies its expert: under zero.Init the copies even lose their ZeRO state)
+    if wanted is not dp_group and getattr(getattr(param, "zs_state", None), "group", None) is not wanted:
+        raise ValueError(f"ZeRO-3: expert parameter {name!r} ({param.group_name}) was partitioned by "  # type: ignore[attr-defined]
+                         "zero.Init over the data-parallel group; build MoE models outside zero.Init "
+                         "(the engine partitions expert parameters over their expert-data-parallel group)")
 
 
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[Any]) -> list[torch.nn.Module]:
@@ -140,8 +162,10 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
                 if param_dtype is not None and param.is_floating_point():
                     param.data = param.data.to(param_dtype)
                 # The engine broadcast the unpartitioned params from rank 0 already.
-                convert_to_zero_param(param, self.dp_group, name=names.get(param, name), broadcast=False)
+                convert_to_zero_param(param, partition_group(param, self.dp_group), name=names.get(param, name),
+                                      broadcast=False)
             else:  # built under zero.Init: the model-level name replaces the class-level one
+                check_partition_group(param, self.dp_group, names.get(param, name))
                 param.zs_state.name = names.get(param, name)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:

@@ -110,9 +110,12 @@ def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) 
     todo = sorted({id(p): p for p in params if is_zero_param(p)
                    and p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE}.values(),
                   key=lambda p: p.zs_state.ds_id)
-    by_dtype: dict[torch.dtype, list[ZeroParameter]] = {}
+    # One collective per dtype and process group (expert parameters are partitioned over their
+    # expert-data-parallel group, [Note: MoE at stage 3]); keys in first-ds_id order, as on every rank.
+    by_dtype: dict[tuple[torch.dtype, int], list[ZeroParameter]] = {}
     for param in todo:
-        by_dtype.setdefault(param.zs_state.partition.dtype, []).append(param)  # type: ignore[union-attr]
+        key = (param.zs_state.partition.dtype, id(param.zs_state.group))  # type: ignore[union-attr]
+        by_dtype.setdefault(key, []).append(param)
     handles = [_gather_same_dtype(group, async_op) for group in by_dtype.values()]
     return MultiGatherHandle(handles)
 

@@ -26,6 +26,18 @@ bytes, and the host add widens it; a narrowing is done on the device first, as w
 so both runs round the same way. `finish` synchronizes the sink, so the overflow
 check, the norm (their per-rank scalar reduced on the accelerator) and `OffloadStates.step`
 (which takes views, no copy at the step) read final host gradients.
+
+[Note: MoE at stage 3]
+An expert parameter lives only on the ranks of its expert-data-parallel group (the ranks holding
+the same experts), so it is partitioned over that group (`partition_group` in
+parameter_offload.py), gathered over it, and its gradient reduce-scattered over it. Its gradient
+already sums, through the all-to-all's backward, the tokens of every rank of its expert-parallel
+group, so summing over the expert-data-parallel group covers all W ranks and the usual division
+by the data-parallel W gives the mean ([Note: expert gradient reduction], DeepSpeed's scaling).
+Which experts receive tokens, and so when their hooks fire, depends on each rank's data: like the
+z3-leaf gradients their reduction waits for the end of backward, in ds_id order, and a bucket
+never mixes process groups. Each slice of each expert sits on exactly one rank of the world, so
+the norm and overflow reductions over the data-parallel group count every expert once.
 """
 
 from __future__ import annotations
@@ -87,8 +99,8 @@ class Stage3GradientReducer:
         self._bucket_numel = 0
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
         self._deferred: dict[int, torch.Tensor] = {}
-        self._leaf_params = sorted((p for p in params if p.zs_state.ds_id in leaf_param_ids),
-                                   key=lambda p: p.zs_state.ds_id)
+        self._leaf_params = sorted((p for p in params if p.zs_state.ds_id in leaf_param_ids
+                                    or p.zs_state.group is not dp_group), key=lambda p: p.zs_state.ds_id)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def remove_hooks(self) -> None:
@@ -108,12 +120,14 @@ class Stage3GradientReducer:
                                "the parameter was used while partitioned (outside the forward of a module "
                                "that owns it). Register it with zero.register_external_parameter(module, "
                                "param) or use it inside zero.GatheredParameters.")
-        if state.ds_id in self.leaf_param_ids:
-            self._deferred[state.ds_id] = grad  # see [Note: leaf-module gradients]
+        if state.ds_id in self.leaf_param_ids or state.group is not self.dp_group:
+            self._deferred[state.ds_id] = grad  # see [Note: leaf-module gradients], [Note: MoE at stage 3]
             return
         self._add_to_bucket(param, grad)  # type: ignore[arg-type]
 
     def _add_to_bucket(self, param: ZeroParameter, grad: torch.Tensor) -> None:
+        if self._bucket and self._bucket[0][0].zs_state.group is not param.zs_state.group:
+            self._flush_bucket()   # a bucket is one reduce-scatter, over one group
         self._bucket.append((param, grad))
         self._bucket_numel += param.zs_state.padded_numel
         if self._bucket_numel >= self.reduce_bucket_numel:
@@ -140,7 +154,8 @@ class Stage3GradientReducer:
         if self.before != 1.0:
             rows.mul_(self.before)
         output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
-        work = comm.reduce_scatter_tensor(output, rows.view(-1), group=self.dp_group, async_op=self.overlap_comm)
+        work = comm.reduce_scatter_tensor(output, rows.view(-1), group=params[0].zs_state.group,
+                                          async_op=self.overlap_comm)
         self._in_flight.submit(work, lambda: self._store(output, params), keepalive=(rows,))
 
     def _bucket_rows(self, bucket: list[tuple[ZeroParameter, torch.Tensor | None]]) -> torch.Tensor:
@@ -151,14 +166,15 @@ class Stage3GradientReducer:
         touched as the gradients are freed: the peak is about one bucket, not the gradients plus
         a zeroed copy of them (two)."""
         width = sum(param.partition_numel() for param, _ in bucket)
-        rows = torch.empty(self.world_size, width, dtype=self.precision.communication_dtype,
+        world_size = bucket[0][0].zs_state.world_size   # the bucket's group: [Note: MoE at stage 3]
+        rows = torch.empty(world_size, width, dtype=self.precision.communication_dtype,
                            device=bucket[0][1].device)  # type: ignore[union-attr]
         offset = 0
         for index, (param, grad) in enumerate(bucket):
             bucket[index] = (param, None)
             flat, size = grad.reshape(-1), param.partition_numel()  # type: ignore[union-attr]
-            for rank in range(self.world_size):
-                start, real = rank_span(flat.numel(), self.world_size, rank)
+            for rank in range(world_size):
+                start, real = rank_span(flat.numel(), world_size, rank)
                 if real:
                     rows[rank, offset:offset + real].copy_(flat[start:start + real])
                 if real < size:
