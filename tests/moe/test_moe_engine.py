@@ -63,7 +63,7 @@ def _shard(batch: tuple, micro_step: int, rank: int, world_size: int) -> tuple:
     return batch[0][start:start + MICRO], batch[1][start:start + MICRO]
 
 
-def _train(ep_size: int, k: int, drop_tokens: bool, gas: int, stage: int) -> dict:
+def _train(ep_size: int, k: int, drop_tokens: bool, gas: int, stage: int, offload: bool = False) -> dict:
     from zerospeed.utils import groups
 
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -73,10 +73,12 @@ def _train(ep_size: int, k: int, drop_tokens: bool, gas: int, stage: int) -> dic
     model.set_expert_weights(rank % ep_size)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "gradient_clipping": CLIP,   # stage 3: nothing persistent, every module gathers and releases
-              "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+              "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+                                    **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
               "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}}
     engine, optimizer, _, _ = zerospeed.initialize(model=model, config=config)
     assert groups._get_expert_parallel_rank(model.moe.expert_group_name) == rank % ep_size
+    assert (getattr(engine.optimizer, "offload", None) is not None) == offload
     assert engine.has_moe_layers and engine.num_experts == [NUM_EXPERTS]
     assert [g.get("moe", False) for g in optimizer.param_groups] == [False, True]
     losses, norms = [], []
@@ -135,6 +137,13 @@ def test_moe_training_equals_dense_single_process(world_size: int, ep_size: int,
                                                   gas: int, stage: int) -> None:
     results = run_on_ranks(_train, world_size, ep_size, k, drop_tokens, gas, stage)
     _check(results, _reference(world_size, k, drop_tokens, gas), world_size, gas)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_moe_training_with_optimizer_offload_equals_dense(stage: int) -> None:
+    """offload_optimizer: the expert groups' fp32 masters and momentum live in host memory, stepped there."""
+    results = run_on_ranks(_train, 4, 2, 2, True, 1, stage, True)
+    _check(results, _reference(4, 2, True, 1), 4, 1)
 
 
 def _stage3_checkpoint(save_dir: str) -> None:

@@ -205,8 +205,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             return self.dp_process_group
         if not all(experts):
             raise ValueError(f"param group {group_index} is marked moe but holds non-expert parameters")
-        if self.offload is not None:
-            raise ValueError("offload_optimizer with MoE param groups is not supported yet")
         from zerospeed.utils import groups
 
         return groups._get_expert_data_parallel_group(group["name"])
