@@ -129,14 +129,19 @@ def _all_to_all_records(k: int) -> list[tuple[str, int, int]]:
     from zerospeed.comm import comms_logger
     from zerospeed.moe.layer import MoE
 
-    moe = MoE(D_MODEL, torch.nn.Linear(D_MODEL, D_MODEL), NUM_EXPERTS, 2, k, CAPACITY_FACTOR,
-              min_capacity=MIN_CAPACITY, use_rts=False, top2_2nd_expert_sampling=False)
-    moe.set_deepspeed_parallelism()
+    from zerospeed.runtime.engine_moe import setup_moe
+
+    layers = torch.nn.ModuleList(MoE(D_MODEL, torch.nn.Linear(D_MODEL, D_MODEL), NUM_EXPERTS, 2, k, CAPACITY_FACTOR,
+                                     min_capacity=MIN_CAPACITY, use_rts=False, top2_2nd_expert_sampling=False)
+                                 for _ in range(2))
+    setup_moe(layers)   # what initialize does: groups, and each layer's comms-logger name
     comms_logger.configure(enabled=True, prof_all=True)
     comms_logger.reset()
     try:
-        output, _, _ = moe(torch.randn(TOKENS, D_MODEL, requires_grad=True))
-        output.sum().backward()
+        hidden = torch.randn(TOKENS, D_MODEL, requires_grad=True)
+        for moe in layers:
+            hidden = moe(hidden)[0]
+        hidden.sum().backward()
         return [(r.op, r.group_size, r.msg_bytes) for r in comms_logger.records]
     finally:
         comms_logger.configure(enabled=False)
@@ -145,8 +150,11 @@ def _all_to_all_records(k: int) -> list[tuple[str, int, int]]:
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_all_to_all_bytes_equal_the_theory(k: int) -> None:
-    """Per layer: two all-to-alls forward and two backward, each of E x capacity x d fp32 elements."""
+    """Per layer: two all-to-alls forward and two backward, each of E x capacity x d fp32 elements, logged
+    under the layer's name."""
     capacity = reference.capacity(TOKENS, NUM_EXPERTS, k, CAPACITY_FACTOR, MIN_CAPACITY, True)
-    expected = [("all_to_all_single", 2, NUM_EXPERTS * capacity * D_MODEL * 4)] * 4
+    names = ["moe_layer_0.dispatch", "moe_layer_0.combine", "moe_layer_1.dispatch", "moe_layer_1.combine"]
+    names += [f"{name}.backward" for name in reversed(names)]
+    expected = [(name, 2, NUM_EXPERTS * capacity * D_MODEL * 4) for name in names]
     for records in run_on_ranks(_all_to_all_records, 2, k):
         assert records == expected

@@ -51,8 +51,8 @@ class CommsLogger:
         return self.enabled and (self.prof_all or op in self.prof_ops)
 
     @contextmanager
-    def timed(self, op: str, group_size: int, msg_bytes: int, async_op: bool) -> Iterator[None]:
-        if not self.wants(op):
+    def timed(self, op: str, group_size: int, msg_bytes: int, async_op: bool, force: bool = False) -> Iterator[None]:
+        if not (force or self.wants(op)):
             yield
             return
         start_s = time.perf_counter()
@@ -107,20 +107,22 @@ def logged(op: str, msg_tensor_arg: Callable[..., Any]) -> Callable[[Callable[..
     """Decorator: time `fn` through the comms logger; `msg_tensor_arg(*args, **kw)` picks the tensor."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: Any, log_name: str | None = None, prof: bool = False, **kwargs: Any) -> Any:
+            # `log_name` (DeepSpeed's keyword): the record's name instead of the op's, e.g. which MoE
+            # layer an all-to-all belongs to; `prof` is accepted for DeepSpeed's signature.
             with heartbeat.collective(op):  # for the launcher's hang report; a no-op without it
-                result = call(*args, **kwargs)
+                result = call(log_name or op, *args, **kwargs)
             return heartbeat.track_work(result, op)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if not comms_logger.wants(op):
+        def call(name: str, *args: Any, **kwargs: Any) -> Any:
+            if not (comms_logger.wants(op) or comms_logger.wants(name)):
                 return fn(*args, **kwargs)
             from zerospeed.comm.comm import get_world_size
 
             tensor = msg_tensor_arg(*args, **kwargs)
             msg_bytes = tensor.numel() * tensor.element_size()
             group_size = get_world_size(kwargs.get("group"))
-            with comms_logger.timed(op, group_size, msg_bytes, bool(kwargs.get("async_op", False))):
+            with comms_logger.timed(name, group_size, msg_bytes, bool(kwargs.get("async_op", False)), force=True):
                 return fn(*args, **kwargs)
 
         wrapper.__name__ = fn.__name__

@@ -26,21 +26,23 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single whose backward is the same exchange of the gradients, in reverse."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(ctx: Any, group: Any, input: torch.Tensor, log_name: str | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.log_name = group, log_name
         input = input.contiguous()
         output = torch.empty_like(input)
-        comm.all_to_all_single(output, input, group=group)
+        comm.all_to_all_single(output, input, group=group, log_name=log_name)
         return output
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
-        return None, _AllToAll.apply(ctx.group, *grad_output)
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[None, torch.Tensor, None]:  # type: ignore[override]
+        name = None if ctx.log_name is None else f"{ctx.log_name}.backward"
+        return None, _AllToAll.apply(ctx.group, *grad_output, name), None
 
 
-def all_to_all(group: Any, tensor: torch.Tensor) -> torch.Tensor:
-    """Split dim 0 into world-size equal blocks; block j goes to rank j of `group`."""
-    return _AllToAll.apply(group, tensor)
+def all_to_all(group: Any, tensor: torch.Tensor, log_name: str | None = None) -> torch.Tensor:
+    """Split dim 0 into world-size equal blocks; block j goes to rank j of `group`. `log_name` names
+    the comms-logger records (forward; the backward's gets `.backward`)."""
+    return _AllToAll.apply(group, tensor, log_name)
 
 
 def flat_slots(expert_index: torch.Tensor, slot: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

@@ -152,6 +152,9 @@ class MOELayer(torch.nn.Module):
         self.exp_counts: Tensor | None = None
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
+        # Comms-logger name of this layer's all-to-alls ("moe_layer_<l>", set by the engine in
+        # checkpoint layer order); None logs them as plain all_to_all_single.
+        self.comm_log_name: str | None = None
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
@@ -166,15 +169,16 @@ class MOELayer(torch.nn.Module):
         num_experts, capacity = routes.num_experts, int(routes.capacity)
         slots = dispatch.flat_slots(routes.expert_index, routes.slot, num_experts, capacity)
         expert_input = dispatch.encode(tokens, slots, num_experts, capacity)
-        expert_input = self._exchange(expert_input)
+        expert_input = self._exchange(expert_input, "dispatch")
         expert_output = self.experts(expert_input.reshape(self.ep_size, self.num_local_experts, -1, d_model))
-        expert_output = self._exchange(expert_output.reshape(num_experts, -1, d_model))
+        expert_output = self._exchange(expert_output.reshape(num_experts, -1, d_model), "combine")
         return dispatch.decode(expert_output, slots, routes.weight).reshape(hidden.shape)
 
-    def _exchange(self, buffers: Tensor) -> Tensor:
+    def _exchange(self, buffers: Tensor, step: str) -> Tensor:
         if self.ep_size > 1:
             if self.ep_group is None:
                 raise RuntimeError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: call "
                                    "set_deepspeed_parallelism() (deepspeed.initialize does) before forward")
-            return dispatch.all_to_all(self.ep_group, buffers)
+            name = None if self.comm_log_name is None else f"{self.comm_log_name}.{step}"
+            return dispatch.all_to_all(self.ep_group, buffers, name)
         return buffers.contiguous()

@@ -50,6 +50,8 @@ def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = F
     for child in module.modules():
         if hasattr(child, "set_deepspeed_parallelism"):
             child.set_deepspeed_parallelism(use_data_before_expert_parallel)
+    for layer_id, child in enumerate(c for c in module.modules() if isinstance(c, MoE)):
+        child.deepspeed_moe.comm_log_name = f"moe_layer_{layer_id}"   # the checkpoint's layer numbering
     return info
 
 
