@@ -1,0 +1,72 @@
+"""MoE training step time and peak RSS, zerospeed against DeepSpeed 0.19.8 at the same config.
+
+    DS_ACCELERATOR=cpu .venv/bin/python benchmarks/bench_moe.py --world-sizes 2 4 --rounds 1
+
+Each (library, world size) runs in fresh processes through the compat harness
+(tests/compat/compat_harness.py: one script, `benchmarks/moe_step_script.py`, run on either
+library, gloo ranks, one thread each); rounds alternate which library goes first. The model:
+`--layers` MoE layers with `--num-experts` experts (4x MLPs), ep_size = world size, k = 2,
+capacity factor 1.25, AdamW (torch), clipping 1.0, fp32, ZeRO `--stage`. Reported per run: median
+step wall time and process CPU time of the slowest rank (warm-up dropped; CPU time suffers less
+from a loaded machine), peak RSS of the largest rank; then the ratios ours / DeepSpeed of the
+medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "tests", "compat"), os.path.join(HERE, "..", "tests")]
+SCRIPT = os.path.join(HERE, "moe_step_script.py")
+
+
+def _run(impl: str, world_size: int, args: argparse.Namespace) -> dict:
+    from compat_harness import run_script
+
+    with tempfile.TemporaryDirectory(prefix="zs-bench-moe-") as work:
+        ranks = run_script(SCRIPT, impl, work, world_size, stage=args.stage, steps=args.steps, warmup=args.warmup,
+                           tokens=args.tokens, d_model=args.d_model, num_experts=args.num_experts, layers=args.layers)
+    return {"step_s": max(r["step_s"] for r in ranks), "cpu_s": max(r["cpu_s"] for r in ranks), "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+            "final_loss": ranks[0]["losses"][-1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--num-experts", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    print("| ranks | library | step s | CPU s | peak RSS MiB | final loss |\n|---|---|---|---|---|---|")
+    ratios = {}
+    for world_size in args.world_sizes:
+        runs: dict[str, list[dict]] = {"zerospeed": [], "deepspeed": []}
+        for round_index in range(args.rounds):
+            order = ["zerospeed", "deepspeed"] if round_index % 2 == 0 else ["deepspeed", "zerospeed"]
+            for impl in order:
+                result = _run(impl, world_size, args)
+                runs[impl].append(result)
+                print(f"| {world_size} | {impl} | {result['step_s']:.4f} | {result['cpu_s']:.4f} | "
+                      f"{result['peak_rss_mib']:.0f} | "
+                      f"{result['final_loss']:.4f} |", flush=True)
+        med = {impl: {key: statistics.median(r[key] for r in rs) for key in ("step_s", "cpu_s", "peak_rss_mib")}
+               for impl, rs in runs.items()}
+        ratios[world_size] = tuple(med["zerospeed"][key] / med["deepspeed"][key]
+                                   for key in ("step_s", "cpu_s", "peak_rss_mib"))
+    print("\n| ranks | step ours / DeepSpeed | CPU ours / DeepSpeed | peak RSS ours / DeepSpeed |\n|---|---|---|---|")
+    for world_size, (step, cpu, rss) in ratios.items():
+        print(f"| {world_size} | {step:.2f} | {cpu:.2f} | {rss:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
