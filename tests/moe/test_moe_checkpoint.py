@@ -21,12 +21,12 @@ def _engine(ep_size: int, stage: int = 0) -> tuple:
     from zerospeed.utils import groups
 
     model = MoEModel(ep_size, k=2, drop_tokens=True)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage},
+    model.set_expert_weights(torch.distributed.get_rank() % ep_size)   # ep groups: consecutive ranks
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage,
+              **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=config)
-    model.set_expert_weights(groups._get_expert_parallel_rank(model.moe.expert_group_name))
-    if stage == 0:
-        engine.optimizer.refresh_fp32_params()
+    assert groups._get_expert_parallel_rank(model.moe.expert_group_name) == torch.distributed.get_rank() % ep_size
     return engine, model
 
 
@@ -51,7 +51,8 @@ def _global_params(model: MoEModel) -> dict[str, torch.Tensor]:
             head, tail = name.split("deepspeed_experts.")
             local, rest = tail.split(".", 1)
             name = f"{head}deepspeed_experts.{ep_rank * model.moe.num_local_experts + int(local)}.{rest}"
-        named[name] = param.detach().clone()
+        with zerospeed.zero.GatheredParameters([param]):   # a no-op below stage 3
+            named[name] = param.detach().clone()
     return named
 
 
@@ -67,11 +68,14 @@ def _save_then_resume(save_dir: str, ep_size: int, stage: int) -> dict:
     engine, model = _engine(ep_size, stage)
     engine.load_checkpoint(save_dir, tag="t")
     resumed = _train(engine, batches[1:], rank, world_size)
+    if stage == 3:   # stage 3 reads the weights from the ZeRO partitions: same topology only
+        with pytest.raises(ValueError, match="same ranks and expert-parallel sizes"):
+            _engine(world_size, stage)[0].load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
     return {"continued": continued, "resumed": resumed, "expected": expected, "got": _global_params(model),
             "saved": saved}
 
 
-@pytest.mark.parametrize("world_size,ep_size,stage", [(2, 2, 0), (4, 2, 0), (4, 2, 2)])
+@pytest.mark.parametrize("world_size,ep_size,stage", [(2, 2, 0), (4, 2, 0), (4, 2, 2), (4, 2, 3)])
 def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int, stage: int,
                                                    tmp_path: object) -> None:
     results = run_on_ranks(_save_then_resume, world_size, str(tmp_path), ep_size, stage)
@@ -85,7 +89,8 @@ def test_resume_is_bit_for_bit_in_deepspeed_layout(world_size: int, ep_size: int
     expected_files |= {f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep_size)} if stage == 0 else \
         {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)}
     assert expected_files <= files, sorted(files)
-    model_states = load_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    model_states = load_file(os.path.join(tag_dir, model_file))
     assert not [k for k in model_states["module"] if "deepspeed_experts" in k]
     assert "moe.deepspeed_moe.gate.wg.weight" in model_states["module"] and model_states["num_experts"] == [4]
     expert_3 = load_file(os.path.join(tag_dir, "layer_0_expert_3_mp_rank_00_model_states.pt"))

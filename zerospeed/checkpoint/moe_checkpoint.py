@@ -11,7 +11,9 @@ the global one (`...deepspeed_experts.<e>.weight`), and is written by the ranks 
 expert-data-parallel rank is 0. The model-states file holds every other entry (gate included) and
 `num_experts`. Because experts are named by global id, a checkpoint loads at any expert-parallel
 size: each rank reads the files of the experts it now holds (`expert_states_for_rank`). The
-optimizer files are per expert-parallel rank, so optimizer state needs the saved ep size.
+optimizer files are per expert-parallel rank, so optimizer state needs the saved ep size. At ZeRO 3
+the expert files are written from weights each expert-data-parallel group gathers first, and the
+weights load from the ZeRO partitions, so such a checkpoint loads on its own topology only.
 """
 
 from __future__ import annotations
@@ -99,13 +101,25 @@ def save_moe_files(engine: Any, transaction: Any, optimizer_entry: Any) -> None:
     optimizer file ([Note: MoE checkpoint layout])."""
     from zerospeed.utils import groups
 
-    _, files = split_expert_states(engine.module, engine.module.state_dict(), groups._get_expert_parallel_rank)
+    _, files = split_expert_states(engine.module, _full_expert_state(engine), groups._get_expert_parallel_rank)
     for file_name, (group_name, entries) in files.items():
         if groups._get_expert_data_parallel_rank(group_name) == 0:
             transaction.write(file_name, entries)
     largest = groups._get_max_expert_size_name()
     if optimizer_entry is not None and groups._get_expert_data_parallel_rank(largest) == 0:
         transaction.write(optim_file_name(groups._get_expert_parallel_rank(largest)), {"optimizer": optimizer_entry})
+
+
+def _full_expert_state(engine: Any) -> dict[str, Any]:
+    """The module state dict with full expert weights: at stage 3 each expert-data-parallel group
+    gathers its experts first ([Note: MoE at stage 3]; every rank calls this, each in its group)."""
+    if engine.zero_optimization_stage() < 3:
+        return engine.module.state_dict()
+    from zerospeed.runtime.zero.partition_parameters import GatheredParameters
+
+    experts = [p for _, moe in moe_modules(engine.module) for p in moe.deepspeed_moe.experts.parameters()]
+    with GatheredParameters(experts):
+        return {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
 
 
 def merge_expert_states(engine: Any, tag_dir: str, module_state: dict[str, Any], load: Any) -> dict[str, Any]:
@@ -123,10 +137,12 @@ def check_optimizer_topology(engine: Any, tag_dir: str, model_state: dict[str, A
     saved_world = model_state.get("dp_world_size", engine.dp_world_size)
     stage = engine.zero_optimization_stage()
     if (saved_sizes is not None and saved_sizes != sizes) or (stage > 0 and saved_world != engine.dp_world_size):
+        advice = ("at zero_optimization.stage=3 the weights are read from the ZeRO partitions too, so a stage-3 "
+                  "MoE checkpoint loads on the same ranks and expert-parallel sizes only" if stage == 3 else
+                  "expert weights reshard, optimizer states of MoE models do not; load with "
+                  "load_optimizer_states=False (or load_module_only=True)")
         raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
-                         f"data-parallel ranks, this run has {sizes} on {engine.dp_world_size}: expert weights "
-                         "reshard, optimizer states of MoE models do not; load with load_optimizer_states=False "
-                         "(or load_module_only=True)")
+                         f"data-parallel ranks, this run has {sizes} on {engine.dp_world_size}: {advice}")
 
 
 def load_moe_optimizer(engine: Any, tag_dir: str, load: Any) -> None:

@@ -23,7 +23,6 @@ from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
-from zerospeed.runtime.engine_moe import check_moe_stage3_checkpoint
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -38,7 +37,6 @@ class EngineCheckpointing:
         """Called on every rank. See [Note: atomic save] for what a crash leaves behind."""
         if not save_dir:
             raise ValueError("save_checkpoint: save_dir must be a non-empty path")
-        check_moe_stage3_checkpoint(self, "save_checkpoint")
         tag = default_tag(self.global_steps) if tag is None else str(tag)
         self._validate_tag(tag)
         stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
@@ -78,7 +76,6 @@ class EngineCheckpointing:
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
-        check_moe_stage3_checkpoint(self, "load_checkpoint")
         if tag is None:
             if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
                 logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
@@ -99,6 +96,8 @@ class EngineCheckpointing:
         if not verify_files(tag_dir, [os.path.basename(model_path)]):
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
+        if self.has_moe_layers and self.zero_optimization_stage() == 3:   # weights live in the optim files
+            moe_checkpoint.check_optimizer_topology(self, tag_dir, model_state)
         if self.has_moe_layers:  # [Note: MoE checkpoint layout]
             model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)

@@ -20,7 +20,7 @@ import torch
 
 from zerospeed import comm
 
-__all__ = ["MoEInfo", "broadcast_expert_params", "check_moe_stage3_checkpoint", "check_moe_supported", "moe_model_parameters", "setup_moe"]
+__all__ = ["MoEInfo", "broadcast_expert_params", "check_moe_supported", "moe_model_parameters", "setup_moe"]
 
 
 @dataclasses.dataclass
@@ -79,10 +79,3 @@ def moe_model_parameters(model_parameters: Any) -> list[dict[str, Any]]:
 def check_moe_supported(config: Any) -> None:
     """Every ZeRO stage trains MoE layers (stage 3: [Note: MoE at stage 3] in stage3_gradients.py)."""
 
-
-def check_moe_stage3_checkpoint(engine: Any, what: str) -> None:
-    """Stage-3 MoE checkpoints are not written yet: refuse before any file is touched."""
-    if engine.has_moe_layers and engine.zero_optimization_stage() == 3:
-        raise NotImplementedError(f"{what}: checkpoints of MoE models at zero_optimization.stage=3 are not "
-                                  "supported yet (expert weights are partitioned over their expert-data-parallel "
-                                  "groups); train MoE with checkpoints at zero_optimization.stage <= 2")

@@ -26,7 +26,9 @@ and the ZeRO partitions hold the rest. At stage 1/2 the expert param groups are 
 the expert-data-parallel group, and every rank's file describes only its own experts under local
 ids, so the partitions cannot be concatenated across ranks like the other groups: those groups are
 skipped and every expert is read from its file (the module's weights: exact fp32 in fp32 training,
-the bf16/fp16 copy upcast otherwise). DeepSpeed 0.19.8's own script fails on such checkpoints.
+the bf16/fp16 copy upcast otherwise). At stage 3 (zerospeed's) the expert parameters' partitions
+are stepped over with the expert-data-parallel size, from `zs_moe_ep_sizes`. DeepSpeed 0.19.8's
+own script fails on such checkpoints.
 """
 
 from __future__ import annotations
@@ -288,9 +290,12 @@ class _ZeroCheckpoint:
     def _zero3_params(self) -> None:
         world_size = self.world_size
         flats = [state["fp32_flat_groups"] for state in self.optim]
-        offset = 0
+        offset, expert_world = 0, self._expert_partition_count()
         for name, shape in _merged_shapes(self.model0["param_shapes"]).items():
             numel = math.prod(shape)
+            if expert_world and _EXPERT_KEY in name:   # read from its file: only step over its partition
+                offset += -(-numel // expert_world)
+                continue
             psize = -(-numel // world_size)
 
             def build(o=offset, n=numel, p=psize, s=shape):
@@ -303,6 +308,17 @@ class _ZeroCheckpoint:
         if offset != available:
             raise ValueError(f"consumed {offset} numels per rank out of {available} - something is wrong")
         self._zero3_frozen()
+
+    def _expert_partition_count(self) -> int:
+        """Stage 3 with MoE: the expert-data-parallel size each expert parameter is partitioned over
+        (zerospeed records the expert-parallel size in `zs_moe_ep_sizes`); 0 without experts."""
+        if not self.expert_files:
+            return 0
+        sizes = set((self.model0.get("zs_moe_ep_sizes") or {}).values())
+        if len(sizes) != 1:
+            raise ValueError(f"{self.model_files[0]}: a stage-3 MoE checkpoint needs exactly one expert-parallel "
+                             f"size in 'zs_moe_ep_sizes' to be merged, found {sorted(sizes)}")
+        return self.world_size // int(sizes.pop())
 
     def _zero3_frozen(self) -> None:
         shapes = self.model0.get("frozen_param_shapes")
