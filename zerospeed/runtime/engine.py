@@ -22,7 +22,7 @@ from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
 from zerospeed.runtime.engine_client_api import EngineClientAPI
-from zerospeed.runtime.engine_moe import broadcast_expert_params, check_moe_supported, moe_model_parameters, setup_moe
+from zerospeed.runtime.engine_moe import broadcast_expert_params, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
     build_lr_scheduler,
@@ -119,11 +119,10 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
             data_parallel_rank=comm.get_rank(self.dp_group), dataloader_drop_last=self._config.dataloader_drop_last)
 
     def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
-        if self._moe.has_moe_layers:
-            check_moe_supported(self._config)
-            if client_optimizer is None:  # DeepSpeed splits expert params into their own groups itself
-                model_parameters = moe_model_parameters(model_parameters if model_parameters is not None
-                                                        else self.module.parameters())
+        # Every ZeRO stage trains MoE layers (stage 3: [Note: MoE at stage 3] in stage3_gradients.py).
+        if self._moe.has_moe_layers and client_optimizer is None:  # DeepSpeed splits expert params itself
+            model_parameters = moe_model_parameters(model_parameters if model_parameters is not None
+                                                    else self.module.parameters())
         self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
                                                          model_parameters)
         self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,

@@ -20,7 +20,7 @@ import torch
 
 from zerospeed import comm
 
-__all__ = ["MoEInfo", "broadcast_expert_params", "check_moe_supported", "moe_model_parameters", "setup_moe"]
+__all__ = ["MoEInfo", "broadcast_expert_params", "moe_model_parameters", "setup_moe"]
 
 
 @dataclasses.dataclass
@@ -74,8 +74,3 @@ def moe_model_parameters(model_parameters: Any) -> list[dict[str, Any]]:
     from zerospeed.moe.utils import configure_moe_param_groups
 
     return configure_moe_param_groups(list(model_parameters))
-
-
-def check_moe_supported(config: Any) -> None:
-    """Every ZeRO stage trains MoE layers (stage 3: [Note: MoE at stage 3] in stage3_gradients.py)."""
-
