@@ -64,3 +64,44 @@ FAIL_FAST_S = 4.5
 def seconds_since_raise(pid_dir):
     with open(os.path.join(pid_dir, "raised_at")) as f:
         return time.time() - float(f.read())
+
+
+# The `train` mode of rank_script.py: one SGD step of a tiny model on a global batch of 8 split
+# over the ranks; the reference is the same step in one process on the whole batch.
+TRAIN_CONFIG = {"train_batch_size": 8, "gradient_clipping": 0.0,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def train_batch():
+    import torch
+
+    x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10
+    return x, x.sum(1, keepdim=True) * 0.5 - 1
+
+
+def train_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def train_reference():
+    """The parameters after the step, computed in this process with plain torch."""
+    import torch
+
+    model = train_model()
+    x, y = train_batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= TRAIN_CONFIG["optimizer"]["params"]["lr"] * p.grad
+    return [v for p in model.parameters() for v in p.detach().flatten().tolist()]
+
+
+def results(output):
+    """The RESULT lines of the ranks, sorted by rank (pdsh prefixes every line with its host)."""
+    import json
+
+    found = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
+    return sorted(found, key=lambda r: r.get("rank", r.get("env", {}).get("RANK")))
