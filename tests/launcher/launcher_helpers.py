@@ -1,7 +1,9 @@
 """Helpers shared by the launcher tests that run real processes."""
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -105,3 +107,26 @@ def results(output):
 
     found = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
     return sorted(found, key=lambda r: r.get("rank", r.get("env", {}).get("RANK")))
+
+
+# The remote-launcher tests (test_two_hosts_netns.py, test_slurm_launcher.py)
+SPACED_ARG = "two words"  # must reach every rank as one argument through each launcher
+# From the raise on one host to the end of the job, with headroom for a loaded machine; measured
+# 4-8 s under load 9-14 on 2 cores (ssh and pdsh add a remote session's teardown, srun its step's).
+CROSS_HOST_FAIL_FAST_S = 20
+
+
+def run_job(argv, job_env, timeout_s):
+    """Run a job to its end; on timeout stop it (the runner stops its remote commands)."""
+    proc = subprocess.Popen(argv, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout_s} s:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

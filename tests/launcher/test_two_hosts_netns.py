@@ -12,17 +12,19 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 
 import pytest
 from launcher_helpers import (
+    CROSS_HOST_FAIL_FAST_S,
     SCRIPT,
+    SPACED_ARG,
     alive,
     env,
     free_port,
     job_pids,
     launcher_argv,
     results,
+    run_job,
     seconds_since_raise,
     train_reference,
 )
@@ -36,10 +38,6 @@ LAUNCHERS = [
     pytest.param("openmpi", marks=pytest.mark.skipif(not shutil.which("mpirun"),
                                                      reason="needs mpirun (apt: openmpi-bin)")),
 ]
-SPACED_ARG = "two words"  # must reach every rank as one argument through each launcher
-# From the raise on host 2 to the end of the job on host 1, with headroom for a loaded machine;
-# measured 4-8 s under load 9 on 2 cores (ssh and pdsh each add a remote session teardown).
-CROSS_HOST_FAIL_FAST_S = 20
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +71,6 @@ def launch_argv(hosts, launcher, tmp_path, mode, pid_dir):
     argv = launcher_argv("-H", str(hostfile), "--launcher", launcher, f"--launcher_args={launcher_args}",
                          "--master_port", str(free_port()), SCRIPT, mode, str(pid_dir), SPACED_ARG)
     return hosts.on(0, argv), env(**extra_env)
-
-
-def run_job(argv, job_env, timeout_s):
-    """Run a job to its end; on timeout stop it (the runner stops its remote commands)."""
-    proc = subprocess.Popen(argv, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout_s} s:\n{err[-4000:]}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
