@@ -111,6 +111,7 @@ def results(output):
 
 # The remote-launcher tests (test_two_hosts_netns.py, test_slurm_launcher.py)
 SPACED_ARG = "two words"  # must reach every rank as one argument through each launcher
+LISTED = {"ZS_TEST_LIST": "eth0,eth1"}  # a forwarded variable whose value has a comma (srun splits there)
 # From the raise on one host to the end of the job, with headroom for a loaded machine; measured
 # 4-8 s under load 9-14 on 2 cores (ssh and pdsh add a remote session's teardown, srun its step's).
 CROSS_HOST_FAIL_FAST_S = 20

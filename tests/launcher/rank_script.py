@@ -60,6 +60,7 @@ elif mode == "train":
     host = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
     result = {"rank": rank, "world": world, "host": host, "master": os.environ["MASTER_ADDR"],
               "cross": [os.environ.get("CROSS_RANK"), os.environ.get("CROSS_SIZE")], "args": rest,
+              "listed": os.environ.get("ZS_TEST_LIST"),
               "params": params}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()

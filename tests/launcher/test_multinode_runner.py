@@ -70,6 +70,11 @@ def test_slurm():
         "srun", "-n", "4", "--nodes=2", "--nodelist=node-a,node-b", "--kill-on-bad-exit=1",
         "--comment", "x", "--export=ALL,NCCL_DEBUG=INFO,MASTER_ADDR=10.0.0.1,MASTER_PORT=29500,WORLD_SIZE=4",
         "/venv/bin/python", "-u", "train.py", "--lr", "1 e-3"]]
+    assert plan.env == {}
+    # srun would split a value at its comma: such a variable travels in srun's environment
+    listed = build_plan("slurm", job(exports={"NCCL_SOCKET_IFNAME": "eth0,eth1", "NCCL_DEBUG": "INFO"}))
+    assert "NCCL_SOCKET_IFNAME" not in " ".join(listed.commands[0])
+    assert listed.env == {"NCCL_SOCKET_IFNAME": "eth0,eth1"}
 
 
 def test_unknown_launcher():

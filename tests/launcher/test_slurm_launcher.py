@@ -13,6 +13,7 @@ import signal
 import pytest
 from launcher_helpers import (
     CROSS_HOST_FAIL_FAST_S,
+    LISTED,
     SCRIPT,
     SPACED_ARG,
     alive,
@@ -41,15 +42,20 @@ def srun_job(cluster, tmp_path, mode):
     hostfile.write_text(f"{cluster.node} slots=2\n")
     argv = launcher_argv("-H", str(hostfile), "--force_multi", "--launcher", "slurm",
                          "--master_port", str(free_port()), SCRIPT, mode, str(tmp_path), SPACED_ARG)
-    return run_job(argv, env(**cluster.env), 180)
+    # From an env file, not this environment (which srun's ALL would forward anyway): the value
+    # reaches srun only through the runner's exports.
+    env_file = tmp_path / "job_env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in LISTED.items()))
+    return run_job(argv, env(**cluster.env, DS_ENV_FILE=str(env_file)), 180)
 
 
 def test_training_step_through_srun(cluster, tmp_path):
     out = srun_job(cluster, tmp_path, "train")
     assert out.returncode == 0, out.stderr[-4000:]
     got = results(out.stdout)
-    assert [(r["rank"], r["world"], r["master"], r["args"]) for r in got] == [
-        (0, 2, cluster.node, [SPACED_ARG]), (1, 2, cluster.node, [SPACED_ARG])]
+    assert [(r["rank"], r["world"], r["master"], r["args"], r["listed"]) for r in got] == [
+        (0, 2, cluster.node, [SPACED_ARG], LISTED["ZS_TEST_LIST"]),
+        (1, 2, cluster.node, [SPACED_ARG], LISTED["ZS_TEST_LIST"])]
     assert got[0]["params"] == got[1]["params"]
     assert got[0]["params"] == pytest.approx(train_reference(), rel=1e-6, abs=1e-6)
 

@@ -16,6 +16,7 @@ import signal
 import pytest
 from launcher_helpers import (
     CROSS_HOST_FAIL_FAST_S,
+    LISTED,
     SCRIPT,
     SPACED_ARG,
     alive,
@@ -60,7 +61,7 @@ def launch_argv(hosts, launcher, tmp_path, mode, pid_dir):
     finds it (``hostname -I`` of the first host over ssh / pdsh's ssh options, the hostfile's
     first host for mpirun)."""
     hostfile = hosts.hostfile(tmp_path / "hostfile")
-    extra_env = {"GLOO_SOCKET_IFNAME": "zs0"}
+    extra_env = {"GLOO_SOCKET_IFNAME": "zs0", **LISTED}
     if launcher == "ssh":
         launcher_args = hosts.ssh_options
     elif launcher == "pdsh":
@@ -79,9 +80,9 @@ def test_training_step_on_two_hosts_equals_one_host(hosts, one_host, launcher, t
     out = run_job(argv, job_env, 180)
     assert out.returncode == 0, out.stderr[-4000:]
     got = results(out.stdout)
-    assert [(r["rank"], r["world"], r["host"], r["master"], r["args"]) for r in got] == [
-        (0, 2, [hosts.addrs[0]], hosts.addrs[0], [SPACED_ARG]),
-        (1, 2, [hosts.addrs[1]], hosts.addrs[0], [SPACED_ARG])]
+    assert [(r["rank"], r["world"], r["host"], r["master"], r["args"], r["listed"]) for r in got] == [
+        (0, 2, [hosts.addrs[0]], hosts.addrs[0], [SPACED_ARG], LISTED["ZS_TEST_LIST"]),
+        (1, 2, [hosts.addrs[1]], hosts.addrs[0], [SPACED_ARG], LISTED["ZS_TEST_LIST"])]
     if launcher != "openmpi":  # mpirun starts the ranks directly, without the per-node launcher
         assert [r["cross"] for r in got] == [["0", "2"], ["1", "2"]]
     # Same reduction over the same shards: the one-host run's parameters exactly.

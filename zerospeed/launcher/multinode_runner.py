@@ -125,10 +125,14 @@ def mpich_plan(job: Job) -> Plan:
 
 
 def slurm_plan(job: Job) -> Plan:
-    exports = ",".join(f"{k}={v}" for k, v in _rank_exports(job).items())
+    # srun splits --export at every comma, values included; a value with a comma
+    # (NCCL_SOCKET_IFNAME=eth0,eth1) goes through srun's own environment, which ALL forwards.
+    exports = _rank_exports(job)
+    inline = ",".join(f"{k}={v}" for k, v in exports.items() if "," not in v)
     return Plan([["srun", "-n", str(job.num_ranks), f"--nodes={len(job.resources)}",
                   f"--nodelist={','.join(job.resources)}", "--kill-on-bad-exit=1",
-                  *job.launcher_args, f"--export=ALL,{exports}", *_script_argv(job)]])
+                  *job.launcher_args, f"--export=ALL,{inline}", *_script_argv(job)]],
+                {k: v for k, v in exports.items() if "," in v})
 
 
 RUNNERS: dict[str, Callable[[Job], Plan]] = {
