@@ -119,9 +119,10 @@ def results(output):
 # The remote-launcher tests (test_two_hosts_netns.py, test_slurm_launcher.py)
 SPACED_ARG = "two words"  # must reach every rank as one argument through each launcher
 LISTED = {"ZS_TEST_LIST": "eth0,eth1"}  # a forwarded variable whose value has a comma (srun splits there)
-# From the raise on one host to the end of the job, with headroom for a loaded machine; measured
-# 4-8 s under load 9-14 on 2 cores (ssh and pdsh add a remote session's teardown, srun its step's).
-CROSS_HOST_FAIL_FAST_S = 20
+# From the raise on one host to the end of the job (before fail_fast_bound's stretch for load):
+# measured 4-8 s under a load of 9-21 on 2 cores; ssh and pdsh add a remote session's teardown,
+# srun its step's, to the ~2 s of the per-node launchers' cross-node abort.
+CROSS_HOST_FAIL_FAST_S = 10.0
 
 
 def run_job(argv, job_env, timeout_s):
