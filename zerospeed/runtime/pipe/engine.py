@@ -62,6 +62,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.agg_train_loss: torch.Tensor | None = None
         self.eval_return_logits = False
         self._batch_time_s = 0.0
+        self.last_batch_seconds: dict[str, float] = {}
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -136,6 +137,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.monitoring.tput_timer.start()
         executor = StageExecutor(self, self.data_iterator, training=True)
         executor.run(self._schedule(True, self.micro_batches))
+        self.last_batch_seconds = executor.seconds   # per instruction type, this stage
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_loss(executor.losses)
         self.monitoring.record_loss(self.agg_train_loss)
