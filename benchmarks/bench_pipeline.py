@@ -241,7 +241,7 @@ def _result(results: Any, procs: list[Any], timeout_s: float = 1200.0) -> list[l
         except queue.Empty:
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if failed:
-                raise RuntimeError(f"a rank failed (exit codes {failed}); see its traceback above")
+                raise RuntimeError(f"a rank failed (exit codes {failed}); see its traceback above") from None
     raise TimeoutError(f"no result after {timeout_s} s")
 
 
@@ -283,6 +283,10 @@ def main() -> None:
         ratio_ds = f"{value / step['ds-1f1b']:.2f}" if "ds-1f1b" in step and system != "ds-1f1b" else ""
         ratio_pt = f"{value / step[peer]:.2f}" if system.startswith("zs") and peer in step else ""
         print(f"| {system} | {value:.3f} | {ratio_ds} | {ratio_pt} |")
+    rounds = {s: [max(r[0] for r in rows) for rows in runs] for s, runs in by_system.items()}
+    for system, peer in (("zs-1f1b", "ds-1f1b"), ("zs-1f1b", "pt-1f1b"), ("zs-gpipe", "pt-gpipe")):
+        if system in rounds and peer in rounds:
+            print(f"{system} / {peer} per round: " + ", ".join(f"{a / b:.2f}" for a, b in zip(rounds[system], rounds[peer])))
     print("\n| system | stage | idle measured | idle theory | stage-0 micro-batches in flight (peak) | stage-0 peak saved MiB |")
     print("|---|---|---|---|---|---|")
     for system, runs in by_system.items():
