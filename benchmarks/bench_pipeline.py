@@ -9,7 +9,8 @@ Systems, alternating within each round (machine noise hits them alike):
 Same layers (embedding, 8 GPT blocks, LayerNorm, LM head; untied, as torch.distributed.pipelining
 has no tied weights across stages), same partition (2 blocks a stage), M micro-batches per step,
 AdamW, fp32. Measured:
-  - step time: median over the measured steps of the slowest rank (each step starts after a barrier);
+  - step time: median over the measured steps of the slowest rank (each step starts after a barrier),
+    and CPU time summed over the ranks (less sensitive than wall time to other load on the machine);
   - idle fraction per stage (zerospeed): 1 - (forward + backward seconds) / (seconds of the schedule
     up to the data-parallel reduction and step), from the executor's per-instruction clock, against
     the schedule's theory ((S-1)/(M+S-1) for 1F1B and GPipe; the lowered timing model for interleaved);
@@ -205,10 +206,10 @@ def _worker(rank: int, system: str, init_file: str, results: Any) -> None:
     model, step = (_zerospeed(schedule, config, rank) if lib == "zs" else
                    _deepspeed(config, rank) if lib == "ds" else _torch(schedule, config, rank))
     saved = SavedActivations(list(model.parameters())) if lib == "zs" and rank == 0 else None
-    times, busy, window = [], 0.0, 0.0
+    times, cpu, busy, window = [], [], 0.0, 0.0
     for index, batch in enumerate(_batches(config)):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if saved is not None and index >= WARMUP:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 step(batch)
@@ -216,13 +217,14 @@ def _worker(rank: int, system: str, init_file: str, results: Any) -> None:
             step(batch)
         if index >= WARMUP:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
             if lib == "zs":
                 b, w = _idle(model.last_batch_seconds)
                 busy, window = busy + b, window + w
     in_flight = saved.peak / (saved.total / ((STEPS - WARMUP) * M)) if saved is not None else 0.0
     row = torch.tensor([statistics.median(times), 1.0 - busy / window if window else 0.0,
                         _theory(system, model) if lib == "zs" else 0.0, in_flight,
-                        saved.peak / 2**20 if saved else 0.0], dtype=torch.float64)
+                        saved.peak / 2**20 if saved else 0.0, statistics.median(cpu)], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(STAGES)]
     dist.all_gather(rows, row)
     if rank == 0:
@@ -274,15 +276,17 @@ def main() -> None:
             by_system[system].append(run(system))
             print(f"{system}: step {max(r[0] for r in by_system[system][-1]):.3f} s", flush=True)
     step = {s: statistics.median(max(r[0] for r in rows) for rows in runs) for s, runs in by_system.items()}
+    cpu = {s: statistics.median(sum(r[5] for r in rows) for rows in runs) for s, runs in by_system.items()}
     print(f"\n{STAGES} stages x 1 thread, gloo; GPT {MODEL}, micro-batch {MICRO}, M={M}; "
           f"{STEPS - WARMUP} measured steps, load average {os.getloadavg()[0]:.1f}")
-    print("| system | step s | step / DeepSpeed | step / torch same schedule |")
-    print("|---|---|---|---|")
+    print("| system | step s | step / DeepSpeed | step / torch same schedule | CPU s (all ranks) | CPU / DeepSpeed |")
+    print("|---|---|---|---|---|---|")
     for system, value in step.items():
         peer = {"1f1b": "pt-1f1b", "gpipe": "pt-gpipe"}.get(system.split("-")[1])
         ratio_ds = f"{value / step['ds-1f1b']:.2f}" if "ds-1f1b" in step and system != "ds-1f1b" else ""
         ratio_pt = f"{value / step[peer]:.2f}" if system.startswith("zs") and peer in step else ""
-        print(f"| {system} | {value:.3f} | {ratio_ds} | {ratio_pt} |")
+        cpu_ds = f"{cpu[system] / cpu['ds-1f1b']:.2f}" if "ds-1f1b" in cpu else ""
+        print(f"| {system} | {value:.3f} | {ratio_ds} | {ratio_pt} | {cpu[system]:.3f} | {cpu_ds} |")
     rounds = {s: [max(r[0] for r in rows) for rows in runs] for s, runs in by_system.items()}
     for system, peer in (("zs-1f1b", "ds-1f1b"), ("zs-1f1b", "pt-1f1b"), ("zs-gpipe", "pt-gpipe")):
         if system in rounds and peer in rounds:
