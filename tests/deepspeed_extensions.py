@@ -9,26 +9,29 @@ its peer failed) leaves the lock behind, and every later DeepSpeed launch then w
 several launches started together on a fresh machine all compile at once on two cores.
 
 So the suite pins one directory of its own, clears the locks left in it at the start of each
-session (nobody else builds there), and builds the two ops once, serially, before any side-by-side
+session (nobody else builds there), and builds the collective op once, before any side-by-side
 launch. `ZS_COMPAT_EXTENSIONS_DIR` overrides the directory.
 """
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import subprocess
 import sys
+import threading
 
 DEEPSPEED_VERSION = "0.19.8"
 EXTENSIONS_DIR = os.environ.get("ZS_COMPAT_EXTENSIONS_DIR") or os.path.join(
     os.path.expanduser("~"), ".cache", "torch_extensions", f"deepspeed-{DEEPSPEED_VERSION}")
 PREBUILD_TIMEOUT_S = 900
+_prepared = threading.Event()
+_prepare_lock = threading.Lock()  # side-by-side runs start from two threads at once
 
-_PREBUILD = ("from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
-             "ShareMemCommBuilder().load(verbose=False)\n"
-             "CPUAdamBuilder().load(verbose=False)\n")
+# Only the op every launch loads (at init_distributed); cpu_adam and the others build when a run
+# first needs them, one process building while the others wait.
+_PREBUILD = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+             "ShareMemCommBuilder().load(verbose=False)\n")
 
 __all__ = ["EXTENSIONS_DIR", "clear_stale_locks", "deepspeed_env", "prepare_deepspeed_ops"]
 
@@ -51,9 +54,15 @@ def clear_stale_locks() -> list[str]:
     return removed
 
 
-@functools.cache
 def prepare_deepspeed_ops() -> None:
     """Once per session: clear stale locks, then build DeepSpeed's CPU ops in one process."""
+    with _prepare_lock:
+        if not _prepared.is_set():
+            _build_ops()
+            _prepared.set()
+
+
+def _build_ops() -> None:
     clear_stale_locks()
     os.makedirs(EXTENSIONS_DIR, exist_ok=True)
     env = {**os.environ, **deepspeed_env()}
