@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from zerospeed import comm
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
@@ -89,6 +90,7 @@ class DeepSpeedOptimizer(abc.ABC):
         self.clip_grad = float(precision.clip_grad)
         self.overflow = False
         self._global_grad_norm = 0.0   # DeepSpeed's optimizers start from 0.0 too
+        self.model_parallel_group: Any = None
 
     # --- what the scheduler and users see ---------------------------------------------------
     @property
@@ -131,7 +133,7 @@ class DeepSpeedOptimizer(abc.ABC):
         """At the accumulation boundary: [Note: one step]."""
         grads = self._step_gradients()
         scale = self.loss_scaler.cur_scale    # what the gradients carry; update_scale may change it
-        self.overflow = self.precision.check_overflow and self._has_overflow(grads)
+        self.overflow = self.precision.check_overflow and self._overflow_anywhere(grads)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
@@ -144,6 +146,18 @@ class DeepSpeedOptimizer(abc.ABC):
         """Whether any rank's gradients hold inf or nan (reduced over the group when partitioned)."""
         return any_non_finite(grads.tensors, group=grads.group, reduce=grads.partitioned,
                               comm_device=grads.comm_device)
+
+    def _overflow_anywhere(self, grads: StepGradients) -> bool:
+        """`_has_overflow`, then also over `model_parallel_group` when one is set: the ranks holding
+        other parts of the model (pipeline stages) must skip the same steps, or their loss scales
+        and weights drift apart (DeepSpeed's CheckOverflow reduces over the model-parallel group)."""
+        local = self._has_overflow(grads)
+        if self.model_parallel_group is None or not comm.is_initialized():
+            return local
+        device = grads.comm_device or (grads.tensors[0].device if grads.tensors else torch.device("cpu"))
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.model_parallel_group)
+        return bool(flag.item() > 0)
 
     def _scaled_global_norm(self, grads: StepGradients) -> float:
         """The L2 norm of the whole (still loss-scaled) gradient vector, the same on every rank."""
