@@ -51,7 +51,7 @@ def _reference(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[lis
     return losses, norms
 
 
-def _config(stage: int, dp: int, tp: int) -> dict:
+def _config(stage: int, tp: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": LR}},
             "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
@@ -75,7 +75,7 @@ def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None) -
     ref_losses, ref_norms = _reference(reference_after, batches)
     try:
         engine, *_ = zerospeed.initialize(model=zerospeed.tp_model_init(model, tp, torch.float32),
-                                          config=_config(stage, dp, tp))
+                                          config=_config(stage, tp))
         dp_rank = engine.get_data_parallel_rank()
         losses, norms = [], []
         for ids in batches:
@@ -108,10 +108,15 @@ def _round_trip(engine, kind: str, stage: int, tp: int, save_dir: str, full: dic
     engine.save_checkpoint(save_dir, tag="t")
     engine.save_16bit_model(save_dir, "model.bin")
     saved = torch.load(os.path.join(save_dir, "model.bin"), weights_only=True)
-    fresh, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, 1, tp))
+    fresh, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, tp))
     fresh.load_checkpoint(save_dir, tag="t")
     reloaded = fresh._consolidated_16bit_state_dict()
+    # Another tp size (none): the full weights are rebuilt from both mp_rank files.
+    untp, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, 0))
+    untp.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
+    at_tp1 = untp.module.state_dict()
     return {"files": sorted(os.listdir(os.path.join(save_dir, "t"))),
+            "at_tp1": max((at_tp1[k] - full[k]).abs().max().item() for k in full),
             "saved_16bit": max((saved[k] - full[k]).abs().max().item() for k in full),
             "reloaded": max((reloaded[k] - full[k]).abs().max().item() for k in full),
             "steps": fresh.global_steps}
@@ -142,6 +147,7 @@ def test_checkpoint_round_trip_and_16bit_save(two_ranks):
     result = two_ranks[0]["llama_stage0"]
     assert "mp_rank_00_model_states.pt" in result["files"] and "mp_rank_01_model_states.pt" in result["files"]
     assert result["saved_16bit"] == 0.0 and result["reloaded"] == 0.0 and result["steps"] == STEPS
+    assert result["at_tp1"] == 0.0
 
 
 def _four_rank_run() -> dict:
