@@ -112,12 +112,15 @@ def _mark(param: torch.nn.Parameter, shard: TPShard) -> torch.nn.Parameter:
     return param
 
 
-def _shard_param(param: torch.Tensor, shard: TPShard) -> torch.nn.Parameter:
+def _shard_param(param: torch.nn.Parameter, shard: TPShard) -> torch.nn.Parameter:
+    """Cut ``param`` to this rank's piece *in place*: the Parameter object stays the same, so a
+    parameter list or optimizer built before `initialize` (Hugging Face's Trainer builds
+    ``model_parameters`` first) still points at the trained tensors."""
     if param.shape[shard.dim] % (shard.fused_parts * shard.tp_size):
         raise ValueError(f"AutoTP: a dimension of {param.shape[shard.dim]} does not split into "
                          f"{shard.fused_parts} part(s) x {shard.tp_size} ranks")
-    piece = torch.nn.Parameter(shard_of(param.detach(), shard), requires_grad=param.requires_grad)
-    return _mark(piece, shard)
+    param.data = shard_of(param.data, shard)
+    return _mark(param, shard)
 
 
 class _TensorParallelLinear(torch.nn.Module):
@@ -164,9 +167,7 @@ class LinearAllreduce(_TensorParallelLinear):
         super().__init__(module, group, transposed)
         in_dim = 0 if transposed else 1
         self.weight = _shard_param(module.weight, TPShard(in_dim, 1, self.tp_size, self.tp_rank))
-        bias = getattr(module, "bias", None)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(),
-                                                                 requires_grad=bias.requires_grad)
+        self.bias = getattr(module, "bias", None)   # replicated: the same Parameter, whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = reduce_from_tensor_parallel_region(self._matmul(x), self.group)
