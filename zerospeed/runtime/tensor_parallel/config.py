@@ -45,7 +45,7 @@ class TPTrainingConfig(DeepSpeedConfigModel):
     vocab_parallel_lm_head: bool | None = None
     """True asks for a vocabulary-sharded output head with a distributed loss (not implemented)."""
     vocab_parallel_ce_backend: Literal["torch", "liger"] = "torch"
-    tensor_parallel: TPConfig = Field(default_factory=TPConfig, alias="tp")
+    tensor_parallel: TPConfig = Field(default_factory=TPConfig, alias="tp")  # type: ignore[arg-type]
     injection_policy_tuple: tuple[Any, ...] | None = None
     partition_config: dict[str, Any] | None = None
     """Custom rules: ``{"use_default_specs": bool, "layer_specs": [{"patterns": [...],

@@ -123,8 +123,18 @@ def _shard_param(param: torch.nn.Parameter, shard: TPShard) -> torch.nn.Paramete
     return _mark(param, shard)
 
 
+def _param(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    value = getattr(module, name)
+    if not isinstance(value, torch.nn.Parameter):
+        raise TypeError(f"AutoTP: {type(module).__name__}.{name} is not a Parameter")
+    return value
+
+
 class _TensorParallelLinear(torch.nn.Module):
     """Shared setup: the replaced module's weight/bias, split; ``transposed`` for Conv1D ([in, out])."""
+
+    weight: torch.nn.Parameter
+    bias: torch.nn.Parameter | None
 
     def __init__(self, module: torch.nn.Module, group: Any, transposed: bool) -> None:
         super().__init__()
@@ -148,7 +158,7 @@ class LinearLayer(_TensorParallelLinear):
         self.gather_output = gather_output
         out_dim = 1 if transposed else 0
         shard = TPShard(out_dim, fused_parts, self.tp_size, self.tp_rank)
-        self.weight = _shard_param(module.weight, shard)
+        self.weight = _shard_param(_param(module, "weight"), shard)
         bias = getattr(module, "bias", None)
         self.bias = None if bias is None else _shard_param(bias, TPShard(0, fused_parts, self.tp_size, self.tp_rank))
 
@@ -166,7 +176,7 @@ class LinearAllreduce(_TensorParallelLinear):
     def __init__(self, module: torch.nn.Module, group: Any, transposed: bool = False) -> None:
         super().__init__(module, group, transposed)
         in_dim = 0 if transposed else 1
-        self.weight = _shard_param(module.weight, TPShard(in_dim, 1, self.tp_size, self.tp_rank))
+        self.weight = _shard_param(_param(module, "weight"), TPShard(in_dim, 1, self.tp_size, self.tp_rank))
         self.bias = getattr(module, "bias", None)   # replicated: the same Parameter, whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ def apply_autotp(model: torch.nn.Module, group: Any, partition_config: dict[str,
             parents_split[parent_name] = parent
     for parent in parents_split.values():
         _localize_attributes(parent, tp_size)
-    model.ds_autotp_parsed = True  # DeepSpeed's marker: this model is sharded
+    setattr(model, "ds_autotp_parsed", True)  # noqa: B010  DeepSpeed's marker: this model is sharded
     return plan
 
 

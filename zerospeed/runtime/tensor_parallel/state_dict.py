@@ -29,7 +29,7 @@ def gather_shards(piece: torch.Tensor, shard: TPShard, group: Any) -> torch.Tens
 
 def split_params(module: torch.nn.Module) -> dict[str, TPShard]:
     """State-dict name -> shard of every split parameter of ``module``."""
-    return {name: param.ds_tp_shard for name, param in module.named_parameters()
+    return {name: param.ds_tp_shard for name, param in module.named_parameters()  # type: ignore[attr-defined]
             if getattr(param, "ds_tp_shard", None) is not None}
 
 
