@@ -117,16 +117,20 @@ def _round_trip(engine, kind: str, stage: int, tp: int, save_dir: str, full: dic
     untp, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, 0))
     untp.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
     at_tp1 = untp.module.state_dict()
+    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    merged = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
     return {"files": sorted(os.listdir(os.path.join(save_dir, "t"))),
             "at_tp1": max((at_tp1[k] - full[k]).abs().max().item() for k in full),
+            "zero_to_fp32": max((merged[k] - full[k]).abs().max().item() for k in full),
             "saved_16bit": max((saved[k] - full[k]).abs().max().item() for k in full),
             "reloaded": max((reloaded[k] - full[k]).abs().max().item() for k in full),
             "steps": fresh.global_steps}
 
 
 def _two_rank_runs(save_dir: str) -> dict:
-    return {"llama_stage0": _train_parity("llama", 0, 2, save_dir),
-            "llama_stage2": _train_parity("llama", 2, 2, params_first=True),
+    return {"llama_stage0": _train_parity("llama", 0, 2),
+            "llama_stage2": _train_parity("llama", 2, 2, save_dir, params_first=True),
             "gpt2_stage1": _train_parity("gpt2", 1, 2)}
 
 
@@ -146,10 +150,11 @@ def test_tp2_equals_unsharded_model(two_ranks, run):
 
 
 def test_checkpoint_round_trip_and_16bit_save(two_ranks):
-    result = two_ranks[0]["llama_stage0"]
-    assert "mp_rank_00_model_states.pt" in result["files"] and "mp_rank_01_model_states.pt" in result["files"]
+    result = two_ranks[0]["llama_stage2"]
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= set(result["files"])
     assert result["saved_16bit"] == 0.0 and result["reloaded"] == 0.0 and result["steps"] == STEPS
-    assert result["at_tp1"] == 0.0
+    assert result["at_tp1"] == 0.0 and result["zero_to_fp32"] == 0.0
 
 
 def _four_rank_run() -> dict:
