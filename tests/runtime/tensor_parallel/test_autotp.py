@@ -67,6 +67,7 @@ def _max_diff(full: dict, reference: torch.nn.Module) -> float:
 def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None, params_first: bool = False) -> dict:
     import zerospeed
     from zerospeed.comm import groups
+    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
 
     world = torch.distributed.get_world_size()
     dp = world // tp
@@ -89,8 +90,10 @@ def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None, p
             torch.distributed.all_reduce(global_loss, group=engine.dp_group)
             losses.append(global_loss.item() / dp)
             norms.append(engine.get_global_grad_norm())
-        full = engine._consolidated_16bit_state_dict()
+        full = consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
+        on_rank0 = engine._consolidated_16bit_state_dict()  # DeepSpeed's contract: rank 0 only
         result = {
+            "consolidated": _max_diff(on_rank0, reference_after) if engine.global_rank == 0 else len(on_rank0),
             "split": sum(getattr(p, "tensor_model_parallel", False) for p in engine.module.parameters()),
             "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
@@ -106,13 +109,14 @@ def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None, p
 
 def _round_trip(engine, kind: str, stage: int, tp: int, save_dir: str, full: dict) -> dict:
     import zerospeed
+    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
 
     engine.save_checkpoint(save_dir, tag="t")
     engine.save_16bit_model(save_dir, "model.bin")
     saved = torch.load(os.path.join(save_dir, "model.bin"), weights_only=True)
     fresh, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, tp))
     fresh.load_checkpoint(save_dir, tag="t")
-    reloaded = fresh._consolidated_16bit_state_dict()
+    reloaded = consolidated_state_dict(fresh.module, fresh.tensor_parallel.tp_group)
     # Another tp size (none): the full weights are rebuilt from both mp_rank files.
     untp, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, 0))
     untp.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
@@ -147,6 +151,7 @@ def test_tp2_equals_unsharded_model(two_ranks, run):
         assert result["split"] > 0
         assert result["clipped"], "the clip threshold must bind for the norm to matter"
         assert result["loss"] < TOL and result["norm"] < TOL and result["param"] < TOL, result
+    assert two_ranks[0][run]["consolidated"] < TOL and two_ranks[1][run]["consolidated"] == 0
 
 
 def test_checkpoint_round_trip_and_16bit_save(two_ranks):

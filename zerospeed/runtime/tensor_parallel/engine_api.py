@@ -58,11 +58,13 @@ class EngineTensorParallel:
 
     # --- full weights ----------------------------------------------------------------------------
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        """Under AutoTP: the unsharded model's state dict on every rank (collective over the tp group)."""
+        """Under AutoTP: the unsharded model's state dict on global rank 0, {} on the others (as
+        DeepSpeed); collective, every rank must call it."""
         if self.tensor_parallel is None:
             return super()._consolidated_16bit_state_dict(exclude_frozen_parameters)  # type: ignore[misc]
-        return consolidated_state_dict(self.module, self.tensor_parallel.tp_group,
+        full = consolidated_state_dict(self.module, self.tensor_parallel.tp_group,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        return full if comm.get_rank() == 0 else {}
 
     def _full_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with split parameters made whole (unchanged without AutoTP)."""

@@ -9,9 +9,9 @@ tensor-parallel autograd] in layers.py). So the squared norm is
 
 Each rank sums the squares of its split and of its replicated elements separately (over its ZeRO
 partition, then over the data-parallel group when gradients are partitioned), and only the split
-sum is added up over the tensor-parallel group. DeepSpeed's flat groups mix the two kinds and
-counted only tp rank 0's pieces, a norm off by about sqrt(tp) (DeepSpeed PR#5411); a test here
-compares the norm with the unsharded model's.
+sum is added up over the tensor-parallel group. Older DeepSpeed counted only tp rank 0's pieces, a
+norm off by about sqrt(tp) (fixed in DeepSpeed PR#5411); tests compare the norm with the unsharded
+model's and with DeepSpeed 0.19.8's.
 """
 
 from __future__ import annotations
