@@ -1,10 +1,11 @@
 """Compat script: a tiny HF Llama trained with AutoTP (tensor_parallel.autotp_size = world size),
 written once against DeepSpeed's public API.
 
-`main(ds, ctx, steps, stage)`: `tp_model_init` + `initialize` at ZeRO `stage`, `steps` clipped SGD
+`main(ds, ctx, steps, stage, load_from=None)`: `tp_model_init` + `initialize` at ZeRO `stage`, `steps` clipped SGD
 steps (SGD: the clip factor shows in the parameters), then the full weights
 (`_consolidated_16bit_state_dict`), `save_checkpoint` and the checkpoint's file names. Also
-reports which error, if any, AutoTP on GPT-2 raises at `initialize`.
+reports which error, if any, AutoTP on GPT-2 raises at `initialize`. With `load_from` ({impl:
+checkpoint dir}) it loads that checkpoint instead and reports the full weights it then holds.
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ def _config(stage, tp):
             "tensor_parallel": {"autotp_size": tp}}
 
 
-def main(ds, ctx, steps, stage):
+def main(ds, ctx, steps, stage, load_from=None):
     tp = ctx.world_size
     model = ds.tp_model_init(_llama(), tp_size=tp, dtype=torch.float32)
     engine, _, _, _ = ds.initialize(model=model, config=_config(stage, tp))
+    if load_from is not None:   # the other library's checkpoint ({impl: dir})
+        engine.load_checkpoint(load_from[ctx.impl], tag="t")
+        loaded = engine._consolidated_16bit_state_dict()
+        return {"loaded": {name: ctx.values(value) for name, value in (loaded or {}).items()},
+                "global_steps": engine.global_steps}
     generator = torch.Generator().manual_seed(7)
     losses, norms = [], []
     for _ in range(steps):
