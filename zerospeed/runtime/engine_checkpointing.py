@@ -71,18 +71,21 @@ class EngineCheckpointing:
         return None if getattr(self, "tensor_parallel", None) is not None else self.dp_group
 
     def _validate_tag(self, tag: str) -> None:
-        mode = self._config.checkpoint_tag_validation_mode
-        if mode == "Ignore":
-            return
+        """Every rank must save under the same tag. DeepSpeed checks only in "Warn" and "Fail" modes
+        and, on a mismatch under "Warn" or "Ignore", writes each rank's files into its own tag:
+        a split checkpoint that loads nowhere. One atomic commit cannot span several tags (the
+        ranks would wait for each other's directories), so here a mismatch raises on every rank
+        in every mode; the modes keep their meaning for the message only."""
         digest = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "big")
         low, high = torch.tensor([digest]), torch.tensor([digest])
         comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.dp_group)
         comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
         if low.item() != high.item():
-            message = f"checkpoint tag {tag!r} is not the same on all ranks"
-            if mode == "Fail":
-                raise ValueError(message)
-            logger.warning(message)
+            mode = self._config.checkpoint_tag_validation_mode
+            hint = "" if mode == "Fail" else (f' (checkpoint.tag_validation is "{mode}", but the ranks cannot '
+                                              "commit one checkpoint under different tags)")
+            raise ValueError(f"checkpoint tag {tag!r} of rank {comm.get_rank()} is not the same on all "
+                             f"ranks{hint}; pass the same tag on every rank")
 
     # --- load -------------------------------------------------------------------------------------
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
