@@ -78,8 +78,8 @@ class EngineCheckpointing:
         in every mode; the modes keep their meaning for the message only."""
         digest = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "big")
         low, high = torch.tensor([digest]), torch.tensor([digest])
-        comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.dp_group)
-        comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+        comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self._checkpoint_group())
+        comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self._checkpoint_group())
         if low.item() != high.item():
             mode = self._config.checkpoint_tag_validation_mode
             hint = "" if mode == "Fail" else (f' (checkpoint.tag_validation is "{mode}", but the ranks cannot '
