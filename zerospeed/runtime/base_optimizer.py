@@ -81,6 +81,9 @@ class DeepSpeedOptimizer(abc.ABC):
     clip_grad: float
     overflow: bool
     _global_grad_norm: float
+    tp_group: Any = None
+    """The tensor-parallel group under AutoTP (set by the engine): the overflow flag is agreed and the
+    norm summed over it ([Note: tensor-parallel norm] in tensor_parallel/grad_norm.py)."""
 
     def _init_base(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler,
                    precision: PrecisionSettings) -> None:
@@ -134,6 +137,10 @@ class DeepSpeedOptimizer(abc.ABC):
         grads = self._step_gradients()
         scale = self.loss_scaler.cur_scale    # what the gradients carry; update_scale may change it
         self.overflow = self.precision.check_overflow and self._overflow_anywhere(grads)
+        if self.tp_group is not None and self.precision.check_overflow:
+            from zerospeed.runtime.tensor_parallel.grad_norm import any_across
+
+            self.overflow = any_across(self.overflow, self.tp_group, grads.comm_device)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
@@ -161,8 +168,17 @@ class DeepSpeedOptimizer(abc.ABC):
 
     def _scaled_global_norm(self, grads: StepGradients) -> float:
         """The L2 norm of the whole (still loss-scaled) gradient vector, the same on every rank."""
+        if self.tp_group is not None:
+            from zerospeed.runtime.tensor_parallel.grad_norm import tensor_parallel_norm
+
+            return tensor_parallel_norm(self._tensor_parallel_norm_pieces(grads), self.tp_group, grads.group,
+                                        grads.comm_device)
         return global_norm(grads.tensors, group=grads.group, partitioned=grads.partitioned,
                            comm_device=grads.comm_device)
+
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's gradient elements, each marked split or replicated (stages 0-2 answer)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support tensor parallelism (AutoTP)")
 
     @abc.abstractmethod
     def _step_gradients(self) -> StepGradients:

@@ -173,16 +173,18 @@ class _ZeroCheckpoint:
     """The `_Source`s of one tag directory, in the module's state-dict order."""
 
     def __init__(self, tag_dir: str, exclude_frozen_parameters: bool, verify: bool = True,
-                 stage_files: tuple[str, list[str], dict] | None = None) -> None:
+                 stage_files: tuple[str, list[str], dict] | None = None, mp_rank: int | None = None) -> None:
         """`stage_files` (pipeline checkpoints): one stage's model file, its optim files and its
-        model state with `module` filled from the layer files, instead of the whole directory."""
+        model state with `module` filled from the layer files, instead of the whole directory.
+        `mp_rank`: only that model-parallel rank's files (one tp rank of an AutoTP checkpoint)."""
         self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
         if stage_files is not None:
             self.model_files, self.optim_files, self.model0 = [stage_files[0]], stage_files[1], stage_files[2]
             self.sources: OrderedDict[str, _Source] = OrderedDict()
             return
-        self.model_files = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
-        self.optim_files = sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
+        mp = "" if mp_rank is None else f"mp_rank_{mp_rank:02d}_"
+        self.model_files = sorted(glob.glob(os.path.join(tag_dir, f"*{mp}model_states.pt")), key=_natural_key)
+        self.optim_files = sorted(glob.glob(os.path.join(tag_dir, f"*{mp}optim_states.pt")), key=_natural_key)
         if not self.model_files:
             raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
         if verify:
@@ -415,7 +417,32 @@ def _sources(checkpoint_dir: str, tag: str | None, exclude_frozen_parameters: bo
     layer_files = [p for p in glob.glob(os.path.join(tag_dir, "layer_*model_states.pt")) if _LAYER_FILE.search(p)]
     if layer_files:
         return _PipelineCheckpoint(tag_dir, layer_files, exclude_frozen_parameters, verify).collect()
-    return _ZeroCheckpoint(tag_dir, exclude_frozen_parameters, verify).collect()
+    first = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
+    record = _load(first[0]).get("autotp_shards") if first else None
+    if not record:
+        return _ZeroCheckpoint(tag_dir, exclude_frozen_parameters, verify).collect()
+    return _merge_tp_ranks(tag_dir, exclude_frozen_parameters, verify, record)
+
+
+def _merge_tp_ranks(tag_dir: str, exclude_frozen: bool, verify: bool, record: dict) -> OrderedDict:
+    """An AutoTP checkpoint (zerospeed's, it records `autotp_shards`: name -> [dim, fused parts]):
+    each tp rank's files give its pieces; split parameters are joined part by part along `dim`."""
+    tp_size = len(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    ranks = [_ZeroCheckpoint(tag_dir, exclude_frozen, verify, mp_rank=r).collect() for r in range(tp_size)]
+    merged = OrderedDict(ranks[0])
+    for name, (dim, parts) in record.items():
+        if name not in merged:
+            continue
+        pieces = [sources[name] for sources in ranks]
+        shape = list(pieces[0].shape)
+        shape[dim] *= tp_size
+
+        def build(pieces=pieces, dim=dim, parts=parts) -> torch.Tensor:
+            chunks = [piece.build().chunk(parts, dim=dim) for piece in pieces]
+            return torch.cat([torch.cat([c[p] for c in chunks], dim=dim) for p in range(parts)], dim=dim)
+
+        merged[name] = _Source(torch.Size(shape), pieces[0].dtype, build)
+    return merged
 
 
 def _materialize(sources: OrderedDict, names: list[str]) -> OrderedDict:
