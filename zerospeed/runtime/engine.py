@@ -17,7 +17,7 @@ import torch
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import groups
-from zerospeed.runtime.config import DeepSpeedConfig
+from zerospeed.runtime.config import DeepSpeedConfig, load_ds_config
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
@@ -31,10 +31,11 @@ from zerospeed.runtime.engine_setup import (
 )
 from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
 from zerospeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -42,7 +43,10 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
         self._init_counters()
-        self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
+        # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).
+        tp_dp_group = self._init_tensor_parallel(model, (config_class._param_dict if config_class is not None
+                                                         else load_ds_config(config)), mpu)
+        self.dp_group = tp_dp_group if tp_dp_group is not None else groups.initialize_data_parallel(mpu=mpu).group
         self.dp_world_size = comm.get_world_size(self.dp_group)
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
@@ -63,6 +67,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
             self._link_fragment_owner()
             self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
             self._report_progress(0)
+        self._attach_tensor_parallel()
         self._init_monitoring()
 
     # --- setup ------------------------------------------------------------------------------------
@@ -257,6 +262,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
             return False
         state_dict = self.module.state_dict() if self.optimizer is None else \
             self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
+        state_dict = self._full_weights(state_dict)  # AutoTP: every tp rank takes part
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state_dict, os.path.join(save_dir, save_filename))
