@@ -67,8 +67,8 @@ def _resolve_config_source(args: Any, config: Any) -> Any:
 
 
 def _refuse_unimplemented_parallelism(config: Any, mpu: Any) -> None:
-    """Clients switch tensor / sequence parallelism on by DeepSpeed version; zerospeed has neither
-    yet, so say so here rather than train a different model or fail deep inside."""
+    """Clients switch tensor parallelism on by DeepSpeed version; zerospeed does not have it yet, so
+    say so here rather than train a different model or fail deep inside."""
     from zerospeed.runtime.config import load_ds_config
 
     raw = load_ds_config(config)
@@ -77,11 +77,6 @@ def _refuse_unimplemented_parallelism(config: Any, mpu: Any) -> None:
     if isinstance(tp_size, int) and tp_size > 1:
         raise NotImplementedError(f"tensor_parallel.autotp_size={tp_size}: tensor parallelism (AutoTP) is not "
                                   "implemented in zerospeed yet; remove it from the ds_config")
-    sp_size = raw.get("sequence_parallel_size", 1)
-    mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
-    if (isinstance(sp_size, int) and sp_size > 1) or (mpu_sp is not None and mpu_sp() > 1):
-        raise NotImplementedError("sequence parallelism (Ulysses / ALST, sequence_parallel_size > 1) is not "
-                                  "implemented in zerospeed yet")
 
 
 def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ import torch
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import groups
-from zerospeed.runtime.config import DeepSpeedConfig
+from zerospeed.runtime.config import DeepSpeedConfig, load_ds_config
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
@@ -31,6 +31,7 @@ from zerospeed.runtime.engine_setup import (
 )
 from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
 from zerospeed.utils.logging import log_dist, logger
 
 
@@ -42,8 +43,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
         self._init_counters()
-        self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
-        self.dp_world_size = comm.get_world_size(self.dp_group)
+        self._init_parallel_groups(config, config_class, mpu)
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
@@ -66,6 +66,28 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         self._init_monitoring()
 
     # --- setup ------------------------------------------------------------------------------------
+    def _init_parallel_groups(self, config: Any, config_class: DeepSpeedConfig | None, mpu: Any) -> None:
+        """`dp_group` reduces gradients and partitions ZeRO state; `dp_world_size` sizes the batch.
+
+        With sequence parallelism they differ: the reduction spans data x sequence ranks while the
+        batch counts data-parallel replicas only (DeepSpeed's `seq_data_parallel_group` and
+        `dp_world_size`; sequence_parallel/groups_setup.py explains the layout and the averaging).
+        """
+        raw = config_class._param_dict if config_class is not None else load_ds_config(config)
+        sp = build_sequence_parallel(raw, mpu)
+        if sp is None:
+            self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
+            self.dp_world_size = comm.get_world_size(self.dp_group)
+            self.data_parallel_group = self.seq_data_parallel_group = self.dp_group
+            self.sequence_parallel_size = 1
+        else:
+            self.dp_group = self.seq_data_parallel_group = sp.sequence_data_parallel_group
+            self.dp_world_size = sp.data_parallel_size
+            self.data_parallel_group = sp.data_parallel_group
+            self.seq_parallel_group = sp.sequence_parallel_group
+            self.sequence_parallel_size = sp.sequence_parallel_size
+        self.seq_dp_world_size = comm.get_world_size(self.seq_data_parallel_group)
+
     def _init_counters(self) -> None:
         self.global_steps = 0
         self.global_samples = 0
@@ -108,15 +130,16 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         return DeepSpeedDataLoader(
             training_data, batch_size=self.train_micro_batch_size_per_gpu(), pin_memory=True,
             local_rank=self.local_rank, collate_fn=collate_fn,
-            data_parallel_world_size=self.dp_world_size, data_parallel_rank=comm.get_rank(self.dp_group),
-            dataloader_drop_last=self._config.dataloader_drop_last)
+            data_parallel_world_size=self.dp_world_size,
+            data_parallel_rank=comm.get_rank(self.data_parallel_group), dataloader_drop_last=self._config.dataloader_drop_last)
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, collate_fn: Any = None,
                      **kwargs: Any) -> DeepSpeedDataLoader:
         return DeepSpeedDataLoader(
             dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), pin_memory=True,
             local_rank=self.local_rank, collate_fn=collate_fn, data_parallel_world_size=self.dp_world_size,
-            data_parallel_rank=comm.get_rank(self.dp_group), dataloader_drop_last=self._config.dataloader_drop_last)
+            data_parallel_rank=comm.get_rank(self.data_parallel_group),
+            dataloader_drop_last=self._config.dataloader_drop_last)
 
     def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         if self._moe.has_moe_layers:
