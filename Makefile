@@ -23,7 +23,7 @@ demo: $(VENV)/.base
 	$(VENV)/bin/zerospeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/configs/zero2.json
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=30
 
 # The GPU check (tests/cuda, marker `cuda`): accelerator, streams/events, pinned memory, offload
 # copies, ZeRO 0-3 over NCCL on every visible GPU, bf16, and the step-time / MFU benchmark against

@@ -61,6 +61,13 @@ def alive(pids):
 FAIL_FAST_S = 4.5
 
 
+def fail_fast_bound(base_s: float = FAIL_FAST_S) -> float:
+    """`base_s`, stretched by how oversubscribed the CPUs were over the last minute: a launcher that
+    reacts at once still takes longer when other work holds both cores (seen at 5.7 s under a load
+    of 12 on 2 cores); on a quiet machine the bound is `base_s` itself."""
+    return base_s * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def seconds_since_raise(pid_dir):
     with open(os.path.join(pid_dir, "raised_at")) as f:
         return time.time() - float(f.read())
