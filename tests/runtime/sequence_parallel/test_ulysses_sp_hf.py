@@ -1,6 +1,8 @@
 """ALST on a tiny Hugging Face Llama: `register_with_transformers` + `UlyssesSPDataLoaderAdapter` +
 `sequence_parallel_cross_entropy` with sp 2 on 2 ranks train exactly like the same model on the full
-sequences in one process (losses and parameters, fp32, SGD), with GQA and uneven valid tokens."""
+sequences in one process (losses and parameters, fp32, SGD), with GQA and uneven valid tokens; so
+does the loss recipe transformers' Trainer uses under sp (`deepspeed_sp_compute_loss`: the model's
+own loss on `shift_labels`, aggregated with a differentiable all-gather weighted by valid tokens)."""
 
 import torch
 
@@ -44,7 +46,18 @@ def _reference(world):
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train_alst(stage):
+def _trainer_recipe_loss(engine, batch, group):
+    """What transformers.integrations.deepspeed.deepspeed_sp_compute_loss computes."""
+    import torch.distributed.nn.functional as dist_fn
+
+    loss = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["shift_labels"],
+                  shift_labels=batch["shift_labels"]).loss
+    losses = torch.stack(dist_fn.all_gather(loss, group=group))
+    tokens = torch.stack(dist_fn.all_gather((batch["shift_labels"] != -100).view(-1).sum(), group=group))
+    return (losses * tokens).sum() / tokens.sum().clamp(min=1)
+
+
+def _train_alst(stage, recipe):
     import zerospeed
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -65,8 +78,12 @@ def _train_alst(stage):
                                             sp_world_size=mpu.get_sequence_parallel_world_size(), device="cpu")
         losses = []
         for batch in loader:
-            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss = sequence_parallel_cross_entropy(logits, batch["shift_labels"], mpu.get_sequence_parallel_group())
+            group = mpu.get_sequence_parallel_group()
+            if recipe == "trainer":
+                loss = _trainer_recipe_loss(engine, batch, group)
+            else:
+                logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+                loss = sequence_parallel_cross_entropy(logits, batch["shift_labels"], group)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -75,8 +92,12 @@ def _train_alst(stage):
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original
 
 
+def _both_recipes(stage):
+    return [_train_alst(stage, recipe) for recipe in ("zerospeed", "trainer")]
+
+
 def test_llama_with_ulysses_equals_full_sequence():
     ref_losses, ref_params = _reference(2)
-    for losses, params in run_on_ranks(_train_alst, 2, 1):
+    for losses, params in [run for rank in run_on_ranks(_both_recipes, 2, 1) for run in rank]:
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         assert ((params - ref_params).abs().max() / ref_params.abs().max()).item() < 1e-5
