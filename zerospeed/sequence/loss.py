@@ -15,18 +15,34 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional as dist_fn
 
 from zerospeed import comm
 
 __all__ = ["sequence_parallel_cross_entropy", "sequence_parallel_loss"]
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the adjoint of a sum all-reduce is a sum all-reduce of the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        comm.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def sequence_parallel_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor | int, group: Any) -> torch.Tensor:
     """``sum over the group of loss_sum / sum over the group of num_tokens`` (at least one token)."""
     tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
     comm.all_reduce(tokens, group=group)
-    total = dist_fn.all_reduce(loss_sum, group=group)
+    total = _AllReduceSum.apply(loss_sum, group)
     return total / tokens.clamp(min=1.0).to(total.dtype)
 
 
