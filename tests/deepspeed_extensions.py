@@ -15,16 +15,18 @@ launch. `ZS_COMPAT_EXTENSIONS_DIR` overrides the directory.
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import subprocess
 import sys
+import threading
 
 DEEPSPEED_VERSION = "0.19.8"
 EXTENSIONS_DIR = os.environ.get("ZS_COMPAT_EXTENSIONS_DIR") or os.path.join(
     os.path.expanduser("~"), ".cache", "torch_extensions", f"deepspeed-{DEEPSPEED_VERSION}")
 PREBUILD_TIMEOUT_S = 900
+_prepared = threading.Event()
+_prepare_lock = threading.Lock()  # side-by-side runs start from two threads at once
 
 _PREBUILD = ("from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
              "ShareMemCommBuilder().load(verbose=False)\n"
@@ -51,9 +53,15 @@ def clear_stale_locks() -> list[str]:
     return removed
 
 
-@functools.cache
 def prepare_deepspeed_ops() -> None:
     """Once per session: clear stale locks, then build DeepSpeed's CPU ops in one process."""
+    with _prepare_lock:
+        if not _prepared.is_set():
+            _build_ops()
+            _prepared.set()
+
+
+def _build_ops() -> None:
     clear_stale_locks()
     os.makedirs(EXTENSIONS_DIR, exist_ok=True)
     env = {**os.environ, **deepspeed_env()}

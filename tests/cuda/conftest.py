@@ -13,7 +13,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 
 _NO_GPU = "no CUDA device (torch.cuda.is_available() is False); `make gpu-check` runs these on a GPU machine"
 

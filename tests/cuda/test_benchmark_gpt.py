@@ -24,7 +24,10 @@ MAX_SLOWDOWN = 1.5
 
 
 def _bench(system, stage):
-    from gpt import GPT, GPTConfig
+    from example_models import load_example
+
+    gpt = load_example("gpt")
+    GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SHAPE))

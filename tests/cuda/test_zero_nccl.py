@@ -22,7 +22,10 @@ CASES = [  # (stage, dtype, zero_optimization extras)
 
 
 def _gpt():
-    from gpt import GPT, GPTConfig
+    from example_models import load_example
+
+    gpt = load_example("gpt")
+    GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=4, n_embd=128))

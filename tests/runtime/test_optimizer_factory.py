@@ -15,7 +15,10 @@ def _params():
 @pytest.mark.parametrize("name,params,expected_type,expected", [
     ("Adam", {"lr": 0.1}, torch.optim.AdamW, {"weight_decay": 0.0}),        # DeepSpeed: Adam means AdamW
     ("adam", {"lr": 0.1, "adam_w_mode": False}, torch.optim.Adam, {"weight_decay": 0.0}),
-    ("AdamW", {"lr": 0.1, "betas": [0.8, 0.9]}, torch.optim.AdamW, {"betas": (0.8, 0.9)}),
+    ("AdamW", {"lr": 0.1, "betas": [0.8, 0.9]}, torch.optim.AdamW, {"betas": (0.8, 0.9), "weight_decay": 0.0}),
+    # torch_adam: torch's class with torch's own defaults, as DeepSpeed builds it (AdamW decays 0.01)
+    ("AdamW", {"lr": 0.1, "torch_adam": True}, torch.optim.AdamW, {"weight_decay": 0.01}),
+    ("Adam", {"lr": 0.1, "torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, {"weight_decay": 0.0}),
     ("SGD", {"lr": 0.1, "momentum": 0.9}, torch.optim.SGD, {"momentum": 0.9}),
     ("Adagrad", {"lr": 0.1}, torch.optim.Adagrad, {"lr": 0.1}),
     ("RMSprop", {"lr": 0.1}, torch.optim.RMSprop, {"lr": 0.1}),

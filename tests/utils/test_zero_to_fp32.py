@@ -51,15 +51,19 @@ def gathered_fp32(engine):
                 full[names[p]] = flat[offset:offset + p.numel()].view(p.shape).clone()
                 offset += p.numel()
         return full
+    if any(hasattr(p, "ds_id") for p in engine.module.parameters()):  # stage 3: partitioned masters
+        return {n: zerospeed.utils.safe_get_full_fp32_param(p).clone()
+                for n, p in engine.module.named_parameters() if p.requires_grad}
     if hasattr(wrapper, "params_and_masters") and wrapper.precision.low_precision:
         return {names[p]: m.detach().clone() for p, m in wrapper.params_and_masters()}
     return {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
 
 
-def _train_and_save(stage, dtype, save_dir):
+def _train_and_save(stage, dtype, save_dir, threshold=None):
     torch.manual_seed(0)
+    zero = {"stage": stage, **({} if threshold is None else {"stage3_param_persistence_threshold": threshold})}
     config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage}, **PRECISION[dtype]}
+              "zero_optimization": zero, **PRECISION[dtype]}
     engine, _, _, _ = zerospeed.initialize(model=TiedModel(), config=config)
     for step in range(2):
         tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(step + torch.distributed.get_rank()))
@@ -67,8 +71,11 @@ def _train_and_save(stage, dtype, save_dir):
         engine.step()
     engine.save_checkpoint(save_dir)
     full = gathered_fp32(engine)
-    frozen = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if not p.requires_grad}
-    return full, frozen
+    frozen_params = {n: p for n, p in engine.module.named_parameters() if not p.requires_grad}
+    with zerospeed.zero.GatheredParameters(list(frozen_params.values()), enabled=stage == 3):
+        frozen = {n: p.detach().float().clone() for n, p in frozen_params.items()}
+    partitioned = sum(1 for p in engine.module.parameters() if hasattr(p, "ds_id") and p.numel() == 0)
+    return full, frozen, partitioned
 
 
 def _check(state, full, frozen, exclude_frozen=False, tied=True):
@@ -85,11 +92,17 @@ def _check(state, full, frozen, exclude_frozen=False, tied=True):
     assert "scratch" not in state
 
 
-@pytest.fixture(scope="module", params=[(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32")],
-                ids=lambda p: f"stage{p[0]}-{p[1]}")
+# Stage 3 twice: with DeepSpeed's default persistence threshold every parameter of this small model
+# stays whole; with threshold 0 every one is partitioned, so the converter must join partitions.
+@pytest.fixture(scope="module", params=[(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32"),
+                                        (3, "fp32", 0), (3, "bf16", 0)],
+                ids=lambda p: f"stage{p[0]}-{p[1]}" + (f"-threshold{p[2]}" if len(p) > 2 else ""))
 def saved(request, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("ckpt")
-    full, frozen = run_on_ranks(_train_and_save, 2, *request.param, str(save_dir))[0]
+    stage, dtype, *threshold = request.param
+    full, frozen, partitioned = run_on_ranks(_train_and_save, 2, stage, dtype, str(save_dir), *threshold)[0]
+    if threshold:
+        assert partitioned == len(list(TiedModel().parameters()))  # every one (the tied head is the embedding)
     return save_dir, full, frozen
 
 

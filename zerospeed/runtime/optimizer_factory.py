@@ -61,10 +61,12 @@ def build_basic_optimizer(name: str, params: dict[str, Any] | None, model_parame
 
 
 def _build_adam(lowered: str, params: dict[str, Any], groups: list[Any], offload: bool) -> torch.optim.Optimizer:
-    params.pop("torch_adam", None)
+    torch_adam = bool(params.pop("torch_adam", False))
     adam_w_mode = bool(params.pop("adam_w_mode", True)) or lowered == ADAMW
+    if torch_adam:  # as DeepSpeed: torch's class with torch's defaults (AdamW: weight decay 0.01), offload or not
+        return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(groups, **params)
     bias_correction = params.pop("bias_correction", True)
-    params.setdefault("weight_decay", 0.0)  # FusedAdam's default, not torch AdamW's 0.01
+    params.setdefault("weight_decay", 0.0)  # FusedAdam's and DeepSpeedCPUAdam's default
     if offload or not bias_correction:
         from zerospeed.ops.adam import DeepSpeedCPUAdam
 
