@@ -54,7 +54,7 @@ class UlyssesSPDataLoaderAdapter:
             raise ValueError("UlyssesSPDataLoaderAdapter: every batch needs `position_ids` (torch.arange(seq_len) "
                              "per sample, or resetting at document boundaries for packed samples); after "
                              "sharding they carry each token's global position")
-        gathered = [dict() for _ in range(self.sp_world_size)]
+        gathered: list[dict[str, Any]] = [{} for _ in range(self.sp_world_size)]
         lengths = self._gather_lengths(batch["input_ids"].shape[1])
         for key, value in batch.items():
             values = self._gather_tensor(key, value, lengths) if torch.is_tensor(value) else self._gather_object(value)

@@ -13,7 +13,8 @@ backward inside forward instead; see docs/compatibility.md): so a loss multiplie
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, cast
+from collections.abc import Callable
 
 import torch
 
@@ -45,7 +46,7 @@ class TiledMLP(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         grads = [_recompute_backward(lambda piece: ctx.fn(ctx.module, piece), [piece], piece_grad, x.requires_grad)
                  for piece, piece_grad in zip(x.chunk(ctx.shards, dim=-2), grad.chunk(ctx.shards, dim=-2))]
-        return None, None, torch.cat(grads, dim=-2) if x.requires_grad else None, None, None
+        return None, None, torch.cat(cast(list[torch.Tensor], grads), dim=-2) if x.requires_grad else None, None, None
 
 
 def _reduce(output: torch.Tensor, reduction: str | None) -> torch.Tensor:
@@ -101,7 +102,7 @@ class SequenceTiledCompute(torch.autograd.Function):
                                              target.requires_grad, **piece_inputs, **ctx.passed))
         arg_grads: list[Any] = [None] * ctx.num_args
         if target.requires_grad:
-            arg_grads[ctx.index] = torch.cat(grads, dim=1)
+            arg_grads[ctx.index] = torch.cat(cast(list[torch.Tensor], grads), dim=1)
         return (None,) * 9 + tuple(arg_grads)
 
 
@@ -152,5 +153,5 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         grads = [_recompute_backward(lambda t, *rest: ctx.fn(ctx.module, t, *rest), list(piece), scale,
                                      x.requires_grad)
                  for piece in TiledFusedLogitsLoss._pieces(x, y, mask, ctx.shards)]
-        x_grad = torch.cat(grads).view_as(x) if x.requires_grad else None
+        x_grad = torch.cat(cast(list[torch.Tensor], grads)).view_as(x) if x.requires_grad else None
         return None, None, x_grad, None, None, None, None, None

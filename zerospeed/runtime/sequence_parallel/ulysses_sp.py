@@ -129,11 +129,12 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         current = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
         original = getattr(current, _ORIGINAL, current)
         text = config.get_text_config()
-        local = None if seq_length_is_variable else seq_length // sequence_parallel_size
+        fixed = None if seq_length_is_variable else seq_length
+        local = None if fixed is None else fixed // sequence_parallel_size
         uattn = cls(original, micro_batch_size, text.num_attention_heads,
                     getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
                     text.num_key_value_heads, text.num_hidden_layers, parallel_state_sp.get_sequence_parallel_group(),
-                    seq_length_is_variable, local, None if seq_length_is_variable else seq_length, disable_in_eval)
+                    seq_length_is_variable, local, fixed, disable_in_eval)
         uattn.core_attn_implementation = core_attn_implementation
 
         def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
