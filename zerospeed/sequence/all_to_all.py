@@ -10,8 +10,8 @@ elements across ranks), so the backward of one is the other with the same head s
 Head blocks follow the KV heads so that a query head stays on the rank that holds its KV head
 under grouped-query attention: with ``K`` KV heads the first ``K % P`` ranks get one extra KV head
 (DeepSpeed's uneven split), and a tensor with ``H`` heads gets ``H / K`` times the KV block.
-Everything is sent as one flat ``all_to_all_single`` with per-rank element counts, so even and
-uneven splits take the same path.
+An even split is one ``all_to_all_single`` over a ``[P, ...]`` buffer built with a single copy;
+an uneven split sends flat blocks with per-rank element counts.
 """
 
 from __future__ import annotations
@@ -48,8 +48,20 @@ def _exchange(blocks: list[torch.Tensor], recv_shapes: list[list[int]], group: A
     return [piece.view(shape) for piece, shape in zip(recv.split(recv_numels), recv_shapes)]
 
 
+def _even_exchange(send: torch.Tensor, group: Any) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group=group)
+    return recv
+
+
 def heads_to_sequence(x: torch.Tensor, seq_dim: int, split: list[int], group: Any) -> torch.Tensor:
     """``[.., s/P, .., H, d]`` -> ``[.., s, .., split[rank], d]`` (heads at dim 2)."""
+    sp_size = len(split)
+    if len(set(split)) == 1:
+        # Even split: one copy into [P, .., s/P, .., H/P, d] to send, one out of the receive
+        # buffer (none for sequence-first tensors), so at most two copies are alive at once.
+        recv = _even_exchange(x.unflatten(2, (sp_size, split[0])).movedim(2, 0).contiguous(), group)
+        return recv.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
     rank = comm.get_rank(group)
     blocks = [b.contiguous() for b in x.split(split, dim=2)]
     shape = list(x.shape)
@@ -64,6 +76,9 @@ def sequence_to_heads(x: torch.Tensor, seq_dim: int, split: list[int], group: An
     if x.shape[seq_dim] % sp_size != 0:
         raise ValueError(f"sequence length {x.shape[seq_dim]} is not divisible by the sequence parallel "
                          f"size {sp_size}")
+    if len(set(split)) == 1:
+        send = x.unflatten(seq_dim, (sp_size, x.shape[seq_dim] // sp_size)).movedim(seq_dim, 0).contiguous()
+        return _even_exchange(send, group).movedim(0, 2).flatten(2, 3)
     blocks = [b.contiguous() for b in x.chunk(sp_size, dim=seq_dim)]
     shapes = []
     for heads in split:
