@@ -82,12 +82,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--sps", type=int, nargs="+", default=[1, 2], help="sequence-parallel sizes to run")
     args = parser.parse_args()
     head_dim = args.hidden // HEADS
     print("| sp | length | peak RSS MiB (max rank) | all-to-all bytes / layer / step | theory |")
     print("|---|---|---|---|---|")
     fits = {}
-    for sp in (1, 2):
+    for sp in args.sps:
         points = []
         for length in args.lengths:
             result = measure(sp, length, args.hidden, args.layers)
@@ -102,8 +103,9 @@ def main() -> None:
         fits[sp] = ((args.budget_mib - intercept) / slope).item()
         print(f"sp {sp}: peak ≈ {intercept:.0f} MiB + {slope * 1024:.1f} MiB per 1k tokens; "
               f"longest within {args.budget_mib:.0f} MiB ≈ {fits[sp]:.0f} tokens", file=sys.stderr, flush=True)
-    print(f"\nlongest sequence within {args.budget_mib:.0f} MiB per rank: sp 1 {fits[1]:.0f}, sp 2 {fits[2]:.0f} "
-          f"tokens: {fits[2] / fits[1]:.2f}x")
+    if 1 in fits and 2 in fits:
+        print(f"\nlongest sequence within {args.budget_mib:.0f} MiB per rank: sp 1 {fits[1]:.0f}, "
+              f"sp 2 {fits[2]:.0f} tokens: {fits[2] / fits[1]:.2f}x")
 
 
 if __name__ == "__main__":
