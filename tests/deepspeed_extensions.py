@@ -9,7 +9,7 @@ its peer failed) leaves the lock behind, and every later DeepSpeed launch then w
 several launches started together on a fresh machine all compile at once on two cores.
 
 So the suite pins one directory of its own, clears the locks left in it at the start of each
-session (nobody else builds there), and builds the two ops once, serially, before any side-by-side
+session (nobody else builds there), and builds the collective op once, before any side-by-side
 launch. `ZS_COMPAT_EXTENSIONS_DIR` overrides the directory.
 """
 
@@ -28,9 +28,10 @@ PREBUILD_TIMEOUT_S = 900
 _prepared = threading.Event()
 _prepare_lock = threading.Lock()  # side-by-side runs start from two threads at once
 
-_PREBUILD = ("from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
-             "ShareMemCommBuilder().load(verbose=False)\n"
-             "CPUAdamBuilder().load(verbose=False)\n")
+# Only the op every launch loads (at init_distributed); cpu_adam and the others build when a run
+# first needs them, one process building while the others wait.
+_PREBUILD = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+             "ShareMemCommBuilder().load(verbose=False)\n")
 
 __all__ = ["EXTENSIONS_DIR", "clear_stale_locks", "deepspeed_env", "prepare_deepspeed_ops"]
 
