@@ -1,9 +1,10 @@
 """ALST on a tiny Hugging Face Llama: `register_with_transformers` + `UlyssesSPDataLoaderAdapter` +
-`sequence_parallel_cross_entropy` with sp 2 on 2 ranks train exactly like the same model on the full
+`sequence_parallel_cross_entropy` with sp 2 on 2 ranks and sp 2 x dp 2 on 4 ranks train exactly like the same model on the full
 sequences in one process (losses and parameters, fp32, SGD), with GQA and uneven valid tokens; so
 does the loss recipe transformers' Trainer uses under sp (`deepspeed_sp_compute_loss`: the model's
 own loss on `shift_labels`, aggregated with a differentiable all-gather weighted by valid tokens)."""
 
+import pytest
 import torch
 
 from distributed import run_on_ranks
@@ -33,12 +34,16 @@ def _samples(count):
     return out
 
 
-def _reference(world):
+def _reference(world, sp=2):
+    """Rank r loads samples r, r + world, ...; at each step every sp group trains the sample one of its
+    ranks loaded (rank 0's, then rank 1's, ...), and data-parallel groups average."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for sample in _samples(STEPS * world):  # the adapter trains rank 0's sample, then rank 1's, ...
-        loss = model(**sample).loss
+    samples, losses = _samples(STEPS * world), []
+    for step in range(STEPS * sp):
+        refill, k = divmod(step, sp)
+        batch = [samples[refill * world + group * sp + k] for group in range(world // sp)]
+        loss = torch.stack([model(**sample).loss for sample in batch]).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -86,18 +91,22 @@ def _train_alst(stage, recipe):
                 loss = sequence_parallel_cross_entropy(logits, batch["shift_labels"], group)
             engine.backward(loss)
             engine.step()
-            losses.append(loss.item())
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)  # every rank holds its group's sample loss
+            losses.append(mean.item() / world)
         return losses, torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original
 
 
-def _both_recipes(stage):
-    return [_train_alst(stage, recipe) for recipe in ("zerospeed", "trainer")]
+def _recipes(stage, recipes):
+    return [_train_alst(stage, recipe) for recipe in recipes]
 
 
-def test_llama_with_ulysses_equals_full_sequence():
-    ref_losses, ref_params = _reference(2)
-    for losses, params in [run for rank in run_on_ranks(_both_recipes, 2, 1) for run in rank]:
+@pytest.mark.parametrize("world, recipes", [(2, ("zerospeed", "trainer")), (4, ("zerospeed",))])
+def test_llama_with_ulysses_equals_full_sequence(world, recipes):
+    """sp 2 on 2 ranks (both loss recipes), and sp 2 x dp 2 on 4 ranks."""
+    ref_losses, ref_params = _reference(world)
+    for losses, params in [run for rank in run_on_ranks(_recipes, world, 1, recipes) for run in rank]:
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         assert ((params - ref_params).abs().max() / ref_params.abs().max()).item() < 1e-5
