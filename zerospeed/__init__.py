@@ -37,7 +37,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                      distributed_port=distributed_port, dist_init_required=dist_init_required)
     dist = comm
     config = _resolve_config_source(args, config if config is not None else config_params)
-    _refuse_unimplemented_parallelism(config, mpu)
     engine_class = DeepSpeedEngine
     from zerospeed.runtime.pipe.module import PipelineModule
 
@@ -66,23 +65,20 @@ def _resolve_config_source(args: Any, config: Any) -> Any:
     return config
 
 
-def _refuse_unimplemented_parallelism(config: Any, mpu: Any) -> None:
-    """Clients switch tensor parallelism on by DeepSpeed version; zerospeed does not have it yet, so
-    say so here rather than train a different model or fail deep inside."""
-    from zerospeed.runtime.config import load_ds_config
-
-    raw = load_ds_config(config)
-    tp = raw.get("tensor_parallel") if isinstance(raw.get("tensor_parallel"), dict) else {}
-    tp_size = tp.get("autotp_size", (tp.get("tp") or {}).get("tp_size", 1) if isinstance(tp.get("tp"), dict) else 1)
-    if isinstance(tp_size, int) and tp_size > 1:
-        raise NotImplementedError(f"tensor_parallel.autotp_size={tp_size}: tensor parallelism (AutoTP) is not "
-                                  "implemented in zerospeed yet; remove it from the ds_config")
-
-
 def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> Any:
-    """DeepSpeed's AutoTP entry point (transformers calls it when `tensor_parallel.autotp_size > 1`)."""
-    raise NotImplementedError(f"deepspeed.tp_model_init(tp_size={tp_size}): tensor parallelism (AutoTP) is not "
-                              "implemented in zerospeed yet; remove tensor_parallel.autotp_size from the ds_config")
+    """DeepSpeed's AutoTP entry point (transformers calls it when `tensor_parallel.autotp_size > 1`).
+
+    As in DeepSpeed 0.19.8 it records ``tp_size``, ``dtype`` (and ``tp_group=``) and returns the model
+    unchanged; `initialize` merges the record with the ds_config's ``tensor_parallel`` section and
+    shards the model (docs/tensor_parallel.md). The record lives on the model, not in a global."""
+    import torch
+
+    from zerospeed.runtime.tensor_parallel.setup import record_tp_model_init
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tp_model_init: model must be a torch.nn.Module, got {type(model).__name__}")
+    record_tp_model_init(model, tp_size, dtype, kwargs.get("tp_group"))
+    return model
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,6 +1,8 @@
 """The script the launcher tests run as every rank: ``rank_script.py [--local_rank=N] MODE PID_DIR``.
 
-Modes: ``env`` (gloo all_reduce, print the env as JSON), ``raise`` (rank 1 raises, the others
+Modes: ``env`` (gloo all_reduce, print the env as JSON), ``train`` (one zerospeed step of
+``launcher_helpers.train_model`` on this rank's shard of the global batch; prints the updated
+parameters; reads its rank from mpirun's or srun's variables too), ``raise`` (rank 1 raises, the others
 sleep), ``raise_both`` (every rank raises the same error), ``sleep`` (every rank sleeps), ``teardown`` (rank 1 imitates gloo's exit-time abort,
 the others exit 0 after ``ZS_TEST_OTHERS_S`` seconds), ``hang`` (rank 1 loops outside any
 collective while rank 0 waits in a zerospeed all_reduce), ``slow`` (a step of ``ZS_TEST_SLOW_S``
@@ -16,11 +18,13 @@ import time
 
 # The launcher puts --local_rank=N before the script's own arguments (DeepSpeed's order).
 mode, pid_dir, *rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank=")]
-rank = int(os.environ["RANK"])
-if mode != "env":
+# mpirun and srun start the script directly: their own variables carry the rank.
+rank = int(next(os.environ[k] for k in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if k in os.environ))
+if mode not in ("env", "train"):
     child = subprocess.Popen(["sleep", "300"])
     with open(os.path.join(pid_dir, f"rank{rank}.pids"), "w") as f:
         f.write(f"{os.getpid()} {child.pid}\n")
+
 
 if mode == "env":
     import torch
@@ -36,6 +40,31 @@ if mode == "env":
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     dist.destroy_process_group()
+elif mode == "train":
+    import torch
+    from launcher_helpers import TRAIN_CONFIG, train_batch, train_model
+
+    import zerospeed
+    from zerospeed import comm
+
+    comm.init_distributed("gloo", verbose=False)
+    world = comm.get_world_size()
+    model = train_model()
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=TRAIN_CONFIG)
+    x, y = train_batch()
+    shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    loss = torch.nn.functional.mse_loss(engine(x[shard]), y[shard])
+    engine.backward(loss)
+    engine.step()
+    params = [v for p in engine.module.parameters() for v in p.detach().flatten().tolist()]
+    host = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    result = {"rank": rank, "world": world, "host": host, "master": os.environ["MASTER_ADDR"],
+              "cross": [os.environ.get("CROSS_RANK"), os.environ.get("CROSS_SIZE")], "args": rest,
+              "listed": os.environ.get("ZS_TEST_LIST"),
+              "params": params}
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    comm.destroy_process_group()
 elif mode == "raise":
     if rank == 1:
         time.sleep(0.5)

@@ -28,6 +28,9 @@ def test_pdsh():
     plan = build_plan("pdsh", job(ssh_port=2222, launcher_args=["-R", "ssh"]))
     assert plan.commands == [["pdsh", "-S", "-f", "1024", "-w", "node-a,node-b", "-R", "ssh", remote("%n")]]
     assert plan.env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-p 2222"}
+    # the user's own pdsh ssh options stay in force
+    mine = build_plan("pdsh", job(ssh_port=2222, pdsh_ssh_args="-i /k -o BatchMode=yes"))
+    assert mine.env["PDSH_SSH_ARGS_APPEND"] == "-i /k -o BatchMode=yes -p 2222"
 
 
 def test_ssh_one_command_per_node():
@@ -43,7 +46,7 @@ def test_openmpi():
     assert plan.commands == [[
         "mpirun", "-n", "4", "-hostfile", "/job/hostfile", "--mca", "btl", "^openib",
         "--mca", "btl_tcp_if_include", "eth0", "-x", "PYTHONPATH=/work dir", "-x", "NCCL_DEBUG=INFO",
-        "-x", "UCX_TLS=tcp", "/venv/bin/python", "-u", "train.py", "--lr", "1 e-3"]]
+        "-x", "UCX_TLS=tcp", "-x", "MASTER_ADDR=10.0.0.1", "-x", "MASTER_PORT=29500", "/venv/bin/python", "-u", "train.py", "--lr", "1 e-3"]]
     mine = build_plan("openmpi", job(launcher_args=["--mca", "btl_tcp_if_include", "ib0"], module=True))
     assert mine.commands[0].count("btl_tcp_if_include") == 1
     assert mine.commands[0][-5:] == ["-u", "-m", "train.py", "--lr", "1 e-3"]
@@ -67,6 +70,11 @@ def test_slurm():
         "srun", "-n", "4", "--nodes=2", "--nodelist=node-a,node-b", "--kill-on-bad-exit=1",
         "--comment", "x", "--export=ALL,NCCL_DEBUG=INFO,MASTER_ADDR=10.0.0.1,MASTER_PORT=29500,WORLD_SIZE=4",
         "/venv/bin/python", "-u", "train.py", "--lr", "1 e-3"]]
+    assert plan.env == {}
+    # srun would split a value at its comma: such a variable travels in srun's environment
+    listed = build_plan("slurm", job(exports={"NCCL_SOCKET_IFNAME": "eth0,eth1", "NCCL_DEBUG": "INFO"}))
+    assert "NCCL_SOCKET_IFNAME" not in " ".join(listed.commands[0])
+    assert listed.env == {"NCCL_SOCKET_IFNAME": "eth0,eth1"}
 
 
 def test_unknown_launcher():

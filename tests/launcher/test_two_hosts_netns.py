@@ -1,114 +1,117 @@
-"""A real two-host run: two network namespaces joined by a veth pair, an sshd in each, and the
-job started with ``--launcher ssh`` from the first. Its result must equal the one-host run.
+"""Real two-host jobs through each remote launcher: ``ssh``, ``pdsh`` (its ssh rcmd module) and
+Open MPI's ``mpirun``, started from the first of two network-namespace hosts (``netns_hosts``).
 
-Needs root, ``ip`` (iproute2), ``sshd`` and ``ssh-keygen`` (Debian's openssh-server); skips
-with the reason otherwise. Each host's end of the veth pair is named ``zs0`` so that
-``GLOO_SOCKET_IFNAME=zs0`` (forwarded by the runner, like every ``GLOO_*`` variable) holds on both.
+Per launcher: one training step whose parameters equal the one-host run's and a single-process
+torch reference; and fail-fast: a rank raising on the second host stops the first host's rank,
+the job exits non-zero and the traceback is shown. Needs root, iproute2 and openssh-server, plus
+``pdsh`` / ``mpirun`` (openmpi-bin) for theirs; each skips with the reason otherwise.
 """
 
-import json
+import contextlib
 import os
+import shlex
 import shutil
-import subprocess
-import time
+import signal
 
 import pytest
-from launcher_helpers import SCRIPT, alive, env, free_port, job_pids, launcher_argv
+from launcher_helpers import (
+    CROSS_HOST_FAIL_FAST_S,
+    LISTED,
+    SCRIPT,
+    SPACED_ARG,
+    alive,
+    env,
+    fail_fast_bound,
+    free_port,
+    job_pids,
+    launcher_argv,
+    results,
+    run_job,
+    seconds_since_raise,
+    train_reference,
+)
+from netns_hosts import missing, two_hosts
 
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not os.path.exists(SSHD) or not shutil.which("ssh-keygen"),
-    reason="needs root, ip (iproute2), sshd and ssh-keygen (apt-get install openssh-server iproute2)")
+pytestmark = pytest.mark.skipif(missing() is not None, reason=f"two netns hosts: {missing()}")
+
+LAUNCHERS = [
+    "ssh",
+    pytest.param("pdsh", marks=pytest.mark.skipif(not shutil.which("pdsh"), reason="needs pdsh (apt: pdsh)")),
+    pytest.param("openmpi", marks=pytest.mark.skipif(not shutil.which("mpirun"),
+                                                     reason="needs mpirun (apt: openmpi-bin)")),
+]
 
 
-def sh(*argv):
-    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with two_hosts(tmp_path_factory.mktemp("hosts")) as h:
+        yield h
 
 
-SSHD_CONFIG = """ListenAddress {addr}
-HostKey {dir}/host_key
-AuthorizedKeysFile {dir}/id.pub
-PidFile {dir}/sshd_{name}.pid
-PasswordAuthentication no
-PermitRootLogin prohibit-password
-StrictModes no
-UsePAM no
-"""
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The same job on this machine: two ranks under the one-node launcher."""
+    pid_dir = tmp_path_factory.mktemp("one_host")
+    out = run_job(launcher_argv("--num_gpus", "2", SCRIPT, "train", str(pid_dir), SPACED_ARG), env(), 120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return results(out.stdout)
 
 
-@pytest.fixture
-def two_hosts(tmp_path):
-    tag = f"{os.getpid() % 100000}"
-    subnet = f"10.213.{os.getpid() % 250}"
-    names = [f"zs{tag}a", f"zs{tag}b"]
-    addrs = [f"{subnet}.1", f"{subnet}.2"]
-    sshds = []
+def launch_argv(hosts, launcher, tmp_path, mode, pid_dir):
+    """The runner's command line on host 1, and its environment; no --master_addr: the runner
+    finds it (``hostname -I`` of the first host over ssh / pdsh's ssh options, the hostfile's
+    first host for mpirun)."""
+    hostfile = hosts.hostfile(tmp_path / "hostfile")
+    extra_env = {"GLOO_SOCKET_IFNAME": "zs0", **LISTED}
+    if launcher == "ssh":
+        launcher_args = hosts.ssh_options
+    elif launcher == "pdsh":
+        launcher_args, extra_env["PDSH_SSH_ARGS_APPEND"] = "", hosts.ssh_options
+    else:  # root needs Open MPI's consent; its own ssh needs the key
+        launcher_args = (f"--allow-run-as-root --mca plm_rsh_args {shlex.quote(hosts.ssh_options)} "
+                         "--mca btl_tcp_if_include zs0")
+    argv = launcher_argv("-H", str(hostfile), "--launcher", launcher, f"--launcher_args={launcher_args}",
+                         "--master_port", str(free_port()), SCRIPT, mode, str(pid_dir), SPACED_ARG)
+    return hosts.on(0, argv), env(**extra_env)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_training_step_on_two_hosts_equals_one_host(hosts, one_host, launcher, tmp_path):
+    argv, job_env = launch_argv(hosts, launcher, tmp_path, "train", tmp_path)
+    out = run_job(argv, job_env, 180)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = results(out.stdout)
+    assert [(r["rank"], r["world"], r["host"], r["master"], r["args"], r["listed"]) for r in got] == [
+        (0, 2, [hosts.addrs[0]], hosts.addrs[0], [SPACED_ARG], LISTED["ZS_TEST_LIST"]),
+        (1, 2, [hosts.addrs[1]], hosts.addrs[0], [SPACED_ARG], LISTED["ZS_TEST_LIST"])]
+    if launcher != "openmpi":  # mpirun starts the ranks directly, without the per-node launcher
+        assert [r["cross"] for r in got] == [["0", "2"], ["1", "2"]]
+    # Same reduction over the same shards: the one-host run's parameters exactly.
+    assert [r["params"] for r in got] == [r["params"] for r in one_host]
+    # And the whole batch in one process, to fp32 rounding (the sum runs in another order).
+    assert got[0]["params"] == pytest.approx(train_reference(), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_raise_on_the_second_host_stops_the_first(hosts, launcher, tmp_path):
+    argv, job_env = launch_argv(hosts, launcher, tmp_path, "raise", tmp_path)
     try:
-        for ns in names:
-            sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", f"zs{tag}x", "type", "veth", "peer", "name", f"zs{tag}y")
-        for ns, end, addr in zip(names, (f"zs{tag}x", f"zs{tag}y"), addrs):
-            sh("ip", "link", "set", end, "netns", ns)
-            sh("ip", "-n", ns, "link", "set", end, "name", "zs0")
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "zs0")
-            sh("ip", "-n", ns, "link", "set", "zs0", "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "host_key"))
-        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "id"))
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-        for ns, addr in zip(names, addrs):
-            config = tmp_path / f"sshd_{ns}.conf"
-            config.write_text(SSHD_CONFIG.format(addr=addr, dir=tmp_path, name=ns))
-            with open(tmp_path / f"sshd_{ns}.log", "w") as log:
-                sshds.append(subprocess.Popen(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
-                                              stderr=log))
-        time.sleep(1.0)
-        yield names, addrs, tmp_path
+        out = run_job(argv, job_env, 120)
+        elapsed = seconds_since_raise(tmp_path)
+        pids = job_pids(tmp_path, 2)  # [rank 0, its child, rank 1, its child]
+        output = out.stdout + out.stderr
+        assert out.returncode == 1, output[-4000:]
+        assert elapsed < fail_fast_bound(CROSS_HOST_FAIL_FAST_S), f"took {elapsed:.1f} s after the raise"
+        assert "RuntimeError: boom from rank one" in output
+        if launcher == "openmpi":
+            assert "mpirun detected that one or more processes exited with non-zero status" in output
+            # Open MPI stops the ranks, not what a rank that exited by itself had forked.
+            assert alive(pids[:1] + pids[2:3]) == []
+        else:
+            assert f"traceback of rank 1 (local_rank 0) on host {hosts.addrs[1]}" in output
+            assert f"stopped: rank 1 on host {hosts.addrs[1]} failed" in output
+            assert alive(pids) == []
     finally:
-        for proc in sshds:
-            proc.terminate()
-            proc.wait(timeout=10)
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)  # removes the veth pair too
-
-
-def results(stdout):
-    found = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-    return sorted(found, key=lambda r: r["env"]["RANK"])
-
-
-def test_two_hosts_over_ssh_equal_one_host(two_hosts, tmp_path):
-    names, addrs, keys = two_hosts
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text(f"{addrs[0]} slots=1\n{addrs[1]} slots=1\n")
-    ssh_args = (f"-i {keys}/id -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
-                "-o LogLevel=ERROR -o ConnectTimeout=10")
-    port = free_port()
-    (tmp_path / "pids").mkdir()
-    # No --master_addr: the runner asks the first host (`ssh host hostname -I`), as DeepSpeed does.
-    two = subprocess.run(["ip", "netns", "exec", names[0],
-                          *launcher_argv("-H", str(hostfile), "--launcher", "ssh", f"--launcher_args={ssh_args}",
-                                         "--master_port", str(port),
-                                         SCRIPT, "env", str(tmp_path / "pids"))],
-                         env=env(GLOO_SOCKET_IFNAME="zs0"), check=False, capture_output=True, text=True, timeout=180)
-    assert two.returncode == 0, two.stderr[-4000:]
-    one = subprocess.run(launcher_argv("--num_gpus", "2", SCRIPT, "env", str(tmp_path / "pids")),
-                         env=env(), check=False, capture_output=True, text=True, timeout=120)
-    assert one.returncode == 0, one.stderr[-4000:]
-    got, expected = results(two.stdout), results(one.stdout)
-    assert [r["sum"] for r in got] == [r["sum"] for r in expected] == [3.0, 3.0]
-    assert [(r["env"]["CROSS_RANK"], r["env"]["CROSS_SIZE"], r["env"]["MASTER_ADDR"]) for r in got] == [
-        ("0", "2", addrs[0]), ("1", "2", addrs[0])]
-
-    # A rank that raises on the second host stops the first host's rank too, well within 30 s.
-    (tmp_path / "pids_fail").mkdir()
-    start = time.monotonic()
-    fail = subprocess.run(["ip", "netns", "exec", names[0],
-                           *launcher_argv("-H", str(hostfile), "--launcher", "ssh", f"--launcher_args={ssh_args}",
-                                          "--master_addr", addrs[0], "--master_port", str(free_port()),
-                                          SCRIPT, "raise", str(tmp_path / "pids_fail"))],
-                          env=env(), check=False, capture_output=True, text=True, timeout=120)
-    assert fail.returncode == 1 and time.monotonic() - start < 30
-    assert f"traceback of rank 1 (local_rank 0) on host {addrs[1]}" in fail.stderr
-    assert f"stopped: rank 1 on host {addrs[1]} failed" in fail.stderr
-    assert alive(job_pids(tmp_path / "pids_fail", 2)) == []
+        with contextlib.suppress(FileNotFoundError):
+            for pid in alive(job_pids(tmp_path, 2)):
+                os.kill(pid, signal.SIGKILL)

@@ -44,11 +44,13 @@ def natural_key(path: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
 
-def find_optim_files(tag_dir: str, bf16_first: bool = True) -> list[str]:
-    """Every rank's optim file, in dp-rank order; our own prefix first, then the other one."""
+def find_optim_files(tag_dir: str, bf16_first: bool = True, mp_rank: int = 0) -> list[str]:
+    """Every dp rank's optim file of model-parallel rank `mp_rank`, in dp-rank order; our own prefix
+    first, then the other one."""
     prefixes = [BF16_PREFIX, ""] if bf16_first else ["", BF16_PREFIX]
     for prefix in prefixes:
-        files = [f for f in glob.glob(os.path.join(tag_dir, f"{prefix}zero_pp_rank_*_optim_states.pt"))
+        pattern = f"{prefix}zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"
+        files = [f for f in glob.glob(os.path.join(tag_dir, pattern))
                  if prefix or not os.path.basename(f).startswith(BF16_PREFIX)]
         if files:
             return sorted(files, key=natural_key)

@@ -81,11 +81,15 @@ def build_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen
         C.GLOBAL_STEPS: engine.global_steps,
         C.GLOBAL_SAMPLES: engine.global_samples,
         C.DP_WORLD_SIZE: engine.dp_world_size,
-        C.MP_WORLD_SIZE: 1,
-        C.CHECKPOINT_PARALLEL_DIMENSIONS: {"pp_degree": 1, "tp_degree": 1},
+        C.MP_WORLD_SIZE: getattr(engine, "mp_world_size", 1),   # the tp size under AutoTP
+        C.CHECKPOINT_PARALLEL_DIMENSIONS: {"pp_degree": 1, "tp_degree": getattr(engine, "mp_world_size", 1)},
         C.DS_CONFIG: engine._config._param_dict,
         C.DS_VERSION: DEEPSPEED_FORMAT_VERSION,   # the format we follow; zerospeed's version: manifest
     }
+    if getattr(engine, "tensor_parallel", None) is not None:   # [Note: AutoTP checkpoint layout]
+        from zerospeed.runtime.tensor_parallel.checkpoint import TP_SHARDS_KEY, shard_record
+
+        state[TP_SHARDS_KEY] = shard_record(engine.module)
     state.update(client_state)
     return state
 

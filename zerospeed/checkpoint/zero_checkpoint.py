@@ -39,12 +39,12 @@ class SavedLayout:
     optim_files: list[str]
 
 
-def discover(tag_dir: str, bf16_first: bool) -> SavedLayout:
+def discover(tag_dir: str, bf16_first: bool, mp_rank: int = 0) -> SavedLayout:
     verify_files(tag_dir, checksum=False)   # every listed file present, at its size (checksums: on read)
     model_files = find_model_files(tag_dir)
     if not model_files:
         raise FileNotFoundError(f"no *_model_states.pt file in checkpoint directory {tag_dir}")
-    optim_files = find_optim_files(tag_dir, bf16_first)
+    optim_files = find_optim_files(tag_dir, bf16_first, mp_rank)
     if not optim_files:
         return SavedLayout(tag_dir, 0, 1, model_files, [])
     first = load_file(optim_files[0], mmap=True)[C.OPTIMIZER_STATE_DICT]

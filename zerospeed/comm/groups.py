@@ -35,6 +35,10 @@ __all__ = [
     "get_model_parallel_group",
     "get_model_parallel_rank",
     "get_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
     "get_topology",
     "initialize",
     "initialize_data_parallel",
@@ -65,6 +69,7 @@ __all__ = [
     "_get_sequence_data_parallel_rank",
     "_get_sequence_data_parallel_world_size",
     "_get_sequence_parallel_group",
+    "_init_tp_mesh_device",
     "_get_sequence_parallel_rank",
     "_get_sequence_parallel_world_size",
 ]
@@ -284,6 +289,38 @@ def get_model_parallel_world_size() -> int:
 
 def get_model_parallel_rank() -> int:
     return comm.get_rank(get_model_parallel_group()) if is_initialized(MODEL_PARALLEL) else 0
+
+
+# Tensor parallelism (AutoTP) is the model-parallel axis: DeepSpeed's tensor accessors read it.
+def get_tensor_model_parallel_group() -> Any:
+    return get_model_parallel_group()
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_model_parallel_world_size()
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_model_parallel_rank()
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of this rank's tensor-parallel group's first member."""
+    return get_group(MODEL_PARALLEL).ranks[0] if is_initialized(MODEL_PARALLEL) else comm.get_rank()
+
+
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1, data_parallel_size: int | None = None) -> None:
+    """DeepSpeed's AutoTP grid: ``data`` x ``model`` with the model (tp) axis fastest, so the tp
+    groups are consecutive ranks and the data-parallel groups strided by tp. A no-op once built."""
+    if is_initialized(MODEL_PARALLEL):
+        return
+    from zerospeed.comm.topology import PipeModelDataParallelTopology
+
+    world_size, tp_size = comm.get_world_size(), int(tensor_model_parallel_size)
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} must divide the world size {world_size}")
+    dp_size = data_parallel_size or world_size // tp_size
+    initialize(PipeModelDataParallelTopology(num_pp=1, num_mp=tp_size, num_dp=dp_size))
 
 
 def _get_sequence_parallel_group() -> Any:

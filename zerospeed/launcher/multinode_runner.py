@@ -42,6 +42,7 @@ class Job:
     hostfile: str = ""
     filtered: bool = False  # --include / --exclude / --num_nodes / --num_gpus were given
     ssh_port: int | None = None
+    pdsh_ssh_args: str = ""  # the caller's PDSH_SSH_ARGS_APPEND (pdsh's extra ssh options)
 
     @property
     def num_ranks(self) -> int:
@@ -81,8 +82,8 @@ def _slots_per_node(job: Job, launcher: str) -> int:
 
 def pdsh_plan(job: Job) -> Plan:
     env = {"PDSH_RCMD_TYPE": "ssh"}
-    if job.ssh_port is not None:
-        env["PDSH_SSH_ARGS_APPEND"] = f"-p {job.ssh_port}"
+    if job.ssh_port is not None:  # added to the user's own ssh options, which stay in force
+        env["PDSH_SSH_ARGS_APPEND"] = " ".join(a for a in (job.pdsh_ssh_args, f"-p {job.ssh_port}") if a)
     command = ["pdsh", "-S", "-f", "1024", "-w", ",".join(job.resources), *job.launcher_args,
                remote_launch_command(job, "%n")]
     return Plan([command], env)
@@ -101,7 +102,10 @@ def openmpi_plan(job: Job) -> Plan:
                          "--include / --exclude / --num_nodes / --num_gpus are not supported")
     mca = [] if "btl_tcp_if_include" in " ".join(job.launcher_args) else \
         ["--mca", "btl_tcp_if_include", "eth0"]
-    exports = {**job.exports, "UCX_TLS": "tcp"}
+    # Open MPI gives each rank its rank and size (OMPI_COMM_WORLD_*), not the rendezvous
+    # address: without MASTER_* a rank on another host would wait on its own 127.0.0.1.
+    exports = {**job.exports, "UCX_TLS": "tcp", "MASTER_ADDR": job.master_addr,
+               "MASTER_PORT": str(job.master_port)}
     env_args = [a for k, v in exports.items() for a in ("-x", f"{k}={v}")]
     return Plan([["mpirun", "-n", str(job.num_ranks), "-hostfile", job.hostfile,
                   "--mca", "btl", "^openib", *mca, *job.launcher_args, *env_args, *_script_argv(job)]])
@@ -121,10 +125,14 @@ def mpich_plan(job: Job) -> Plan:
 
 
 def slurm_plan(job: Job) -> Plan:
-    exports = ",".join(f"{k}={v}" for k, v in _rank_exports(job).items())
+    # srun splits --export at every comma, values included; a value with a comma
+    # (NCCL_SOCKET_IFNAME=eth0,eth1) goes through srun's own environment, which ALL forwards.
+    exports = _rank_exports(job)
+    inline = ",".join(f"{k}={v}" for k, v in exports.items() if "," not in v)
     return Plan([["srun", "-n", str(job.num_ranks), f"--nodes={len(job.resources)}",
                   f"--nodelist={','.join(job.resources)}", "--kill-on-bad-exit=1",
-                  *job.launcher_args, f"--export=ALL,{exports}", *_script_argv(job)]])
+                  *job.launcher_args, f"--export=ALL,{inline}", *_script_argv(job)]],
+                {k: v for k, v in exports.items() if "," in v})
 
 
 RUNNERS: dict[str, Callable[[Job], Plan]] = {

@@ -147,7 +147,9 @@ def _first_host_address(args: argparse.Namespace, host: str) -> str:
     if args.launcher.lower() not in ("pdsh", "ssh"):
         return host
     port = ["-p", str(args.ssh_port)] if args.ssh_port else []
-    ssh_args = shlex.split(args.launcher_args) if args.launcher.lower() == "ssh" else []
+    # The same ssh options as the launch itself: --launcher_args for ssh, pdsh's own variable.
+    ssh_args = shlex.split(args.launcher_args if args.launcher.lower() == "ssh"
+                           else os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
     try:
         out = subprocess.run(["ssh", "-o", "BatchMode=yes", *port, *ssh_args, host, "hostname -I"],
                              capture_output=True, text=True, timeout=30, check=True).stdout.split()
@@ -170,6 +172,7 @@ def run_multi_node(args: argparse.Namespace, resources: dict[str, list[int]]) ->
               exports=forwarded_env(dict(os.environ), cwd), launch_flags=launch_flags(args),
               launcher_args=shlex.split(args.launcher_args), module=args.module,
               no_python=args.no_python, hostfile=args.hostfile, ssh_port=args.ssh_port,
+              pdsh_ssh_args=os.environ.get("PDSH_SSH_ARGS_APPEND", ""),
               filtered=bool(args.include or args.exclude or args.num_nodes > 0 or args.num_gpus > 0))
     plan = build_plan(args.launcher, job)
     if not args.quiet:

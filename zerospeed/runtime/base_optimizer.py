@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from zerospeed import comm
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, unscale_and_clip_factor
 from zerospeed.runtime.precision import PrecisionSettings
@@ -80,6 +81,9 @@ class DeepSpeedOptimizer(abc.ABC):
     clip_grad: float
     overflow: bool
     _global_grad_norm: float
+    tp_group: Any = None
+    """The tensor-parallel group under AutoTP (set by the engine): the overflow flag is agreed and the
+    norm summed over it ([Note: tensor-parallel norm] in tensor_parallel/grad_norm.py)."""
 
     def _init_base(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler,
                    precision: PrecisionSettings) -> None:
@@ -89,6 +93,7 @@ class DeepSpeedOptimizer(abc.ABC):
         self.clip_grad = float(precision.clip_grad)
         self.overflow = False
         self._global_grad_norm = 0.0   # DeepSpeed's optimizers start from 0.0 too
+        self.model_parallel_group: Any = None
 
     # --- what the scheduler and users see ---------------------------------------------------
     @property
@@ -131,7 +136,11 @@ class DeepSpeedOptimizer(abc.ABC):
         """At the accumulation boundary: [Note: one step]."""
         grads = self._step_gradients()
         scale = self.loss_scaler.cur_scale    # what the gradients carry; update_scale may change it
-        self.overflow = self.precision.check_overflow and self._has_overflow(grads)
+        self.overflow = self.precision.check_overflow and self._overflow_anywhere(grads)
+        if self.tp_group is not None and self.precision.check_overflow:
+            from zerospeed.runtime.tensor_parallel.grad_norm import any_across
+
+            self.overflow = any_across(self.overflow, self.tp_group, grads.comm_device)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
@@ -145,10 +154,31 @@ class DeepSpeedOptimizer(abc.ABC):
         return any_non_finite(grads.tensors, group=grads.group, reduce=grads.partitioned,
                               comm_device=grads.comm_device)
 
+    def _overflow_anywhere(self, grads: StepGradients) -> bool:
+        """`_has_overflow`, then also over `model_parallel_group` when one is set: the ranks holding
+        other parts of the model (pipeline stages) must skip the same steps, or their loss scales
+        and weights drift apart (DeepSpeed's CheckOverflow reduces over the model-parallel group)."""
+        local = self._has_overflow(grads)
+        if self.model_parallel_group is None or not comm.is_initialized():
+            return local
+        device = grads.comm_device or (grads.tensors[0].device if grads.tensors else torch.device("cpu"))
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.model_parallel_group)
+        return bool(flag.item() > 0)
+
     def _scaled_global_norm(self, grads: StepGradients) -> float:
         """The L2 norm of the whole (still loss-scaled) gradient vector, the same on every rank."""
+        if self.tp_group is not None:
+            from zerospeed.runtime.tensor_parallel.grad_norm import tensor_parallel_norm
+
+            return tensor_parallel_norm(self._tensor_parallel_norm_pieces(grads), self.tp_group, grads.group,
+                                        grads.comm_device)
         return global_norm(grads.tensors, group=grads.group, partitioned=grads.partitioned,
                            comm_device=grads.comm_device)
+
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's gradient elements, each marked split or replicated (stages 0-2 answer)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support tensor parallelism (AutoTP)")
 
     @abc.abstractmethod
     def _step_gradients(self) -> StepGradients:

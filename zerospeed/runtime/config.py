@@ -98,6 +98,7 @@ class DeepSpeedConfig:
         self.aio_config = m.aio
         self.timers_config = m.timers
         self.pipeline = m.pipeline
+        self.tensor_parallel_config = m.tensor_parallel
 
     def print(self, name: str) -> None:
         """DeepSpeed's dump: every attribute padded with dots, then the raw config as JSON."""

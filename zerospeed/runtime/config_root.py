@@ -26,12 +26,13 @@ from zerospeed.runtime.config_sections import (
 )
 from zerospeed.runtime.config_utils import DeepSpeedConfigModel, parse_dtype, warn_config
 from zerospeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
 from zerospeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 
 __all__ = ["UNIMPLEMENTED_KEYS", "DeepSpeedRootConfig"]
 
 UNIMPLEMENTED_KEYS = (
-    "amp", "msamp", "compile", "hybrid_engine", "tensor_parallel", "elasticity", "compression_training",
+    "amp", "msamp", "compile", "hybrid_engine", "elasticity", "compression_training",
     "autotuning", "sparse_attention", "curriculum_learning", "data_efficiency", "quantize_training",
     "nebula", "datastates", "zenflow", "eigenvalue", "progressive_layer_drop", "sparse_gradients",
     "graph_harvesting", "torch_autocast", "expert_parallel",
@@ -70,6 +71,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     aio: AioConfig = _section(AioConfig)
     timers: TimersConfig = _section(TimersConfig)
     pipeline: PipelineConfig = _section(PipelineConfig)
+    tensor_parallel: TPTrainingConfig = _section(TPTrainingConfig)
 
     gradient_clipping: float = Field(1.0, ge=0.0)
     """Global L2 clip; 0 disables it (default 1.0 since DeepSpeed 0.19.3)."""

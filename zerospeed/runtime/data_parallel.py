@@ -125,7 +125,13 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         return any_non_finite(grads.tensors, group=self.dp_group, reduce=self._has_experts)
 
     def _scaled_global_norm(self, grads: StepGradients) -> float:
+        if self.tp_group is not None:
+            return super()._scaled_global_norm(grads)
         return grouped_norm(expert_norm_groups(self._lp_params, grads.tensors))
+
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
+        return [(grad, bool(getattr(param, "tensor_model_parallel", False)))
+                for param, grad in zip(self._lp_params, grads.tensors)]
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         for master, grad in zip(self._masters, grads):

@@ -32,10 +32,11 @@ from zerospeed.runtime.engine_setup import (
 from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
+from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
 from zerospeed.utils.logging import log_dist, logger
 
 
-class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -43,7 +44,10 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
         self._init_counters()
-        self._init_parallel_groups(config, config_class, mpu)
+        raw_config = config_class._param_dict if config_class is not None else load_ds_config(config)
+        # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).
+        tp_dp_group = self._init_tensor_parallel(model, raw_config, mpu)
+        self._init_parallel_groups(raw_config, mpu, tp_dp_group)
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
@@ -63,20 +67,22 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
             self._link_fragment_owner()
             self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
             self._report_progress(0)
+        self._attach_tensor_parallel()
         self._init_monitoring()
 
     # --- setup ------------------------------------------------------------------------------------
-    def _init_parallel_groups(self, config: Any, config_class: DeepSpeedConfig | None, mpu: Any) -> None:
+    def _init_parallel_groups(self, raw: dict[str, Any], mpu: Any, tp_dp_group: Any) -> None:
         """`dp_group` reduces gradients and partitions ZeRO state; `dp_world_size` sizes the batch.
 
         With sequence parallelism they differ: the reduction spans data x sequence ranks while the
         batch counts data-parallel replicas only (DeepSpeed's `seq_data_parallel_group` and
         `dp_world_size`; sequence_parallel/groups_setup.py explains the layout and the averaging).
         """
-        raw = config_class._param_dict if config_class is not None else load_ds_config(config)
-        sp = build_sequence_parallel(raw, mpu)
+        sp = build_sequence_parallel(raw, mpu if tp_dp_group is None else None)
+        if sp is not None and tp_dp_group is not None:
+            raise ValueError("sequence_parallel_size > 1 with tensor_parallel.autotp_size > 1 is not supported")
         if sp is None:
-            self.dp_group = groups.initialize_data_parallel(mpu=mpu).group
+            self.dp_group = tp_dp_group if tp_dp_group is not None else groups.initialize_data_parallel(mpu=mpu).group
             self.dp_world_size = comm.get_world_size(self.dp_group)
             self.data_parallel_group = self.seq_data_parallel_group = self.dp_group
             self.sequence_parallel_size = 1
@@ -281,6 +287,7 @@ class DeepSpeedEngine(EngineCheckpointing, EngineClientAPI, EngineAccessors, tor
             return False
         state_dict = self.module.state_dict() if self.optimizer is None else \
             self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
+        state_dict = self._full_weights(state_dict)  # AutoTP: every tp rank takes part
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state_dict, os.path.join(save_dir, save_filename))

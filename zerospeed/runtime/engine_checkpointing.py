@@ -19,10 +19,12 @@ from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
-from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
+from zerospeed.checkpoint.layout import (LATEST, ZERO_TO_FP32, default_tag, find_model_files, model_states_name,
+                                         optim_states_name)
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
+from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -40,37 +42,50 @@ class EngineCheckpointing:
         tag = default_tag(self.global_steps) if tag is None else str(tag)
         self._validate_tag(tag)
         stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
-        transaction = CheckpointTransaction(save_dir, tag, self.dp_group).begin()
+        mp_rank = self._checkpoint_mp_rank()   # [Note: AutoTP checkpoint layout]
+        transaction = CheckpointTransaction(save_dir, tag, self._checkpoint_group()).begin()
         if stage >= 3 or dp_rank == 0:
             model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
             if self.has_moe_layers:
                 moe_checkpoint.strip_expert_states(self, model_states, C.MODULE)
-            transaction.write(model_states_name(stage, dp_rank), to_plain(model_states))
+            transaction.write(model_states_name(stage, dp_rank, mp_rank), to_plain(model_states))
         if self.has_moe_layers:
             optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(self, stage0_optimizer_entry(self)) \
                 if stage == 0 and self.optimizer is not None else None
             moe_checkpoint.save_moe_files(self, transaction, to_plain(optimizer_entry))
         if stage >= 1:
-            transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled()), {
+            transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled(), mp_rank), {
                 C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
                 C.DS_CONFIG: self._config._param_dict,
                 C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
         return True
 
+    def _checkpoint_mp_rank(self) -> int:
+        """The tp rank under AutoTP (DeepSpeed's mp rank in file names), else 0."""
+        tensor_parallel = getattr(self, "tensor_parallel", None)
+        return 0 if tensor_parallel is None else tensor_parallel.tp_rank
+
+    def _checkpoint_group(self) -> Any:
+        """Every rank that writes into the tag directory: the world under AutoTP, else the dp group."""
+        return None if getattr(self, "tensor_parallel", None) is not None else self.dp_group
+
     def _validate_tag(self, tag: str) -> None:
-        mode = self._config.checkpoint_tag_validation_mode
-        if mode == "Ignore":
-            return
+        """Every rank must save under the same tag. DeepSpeed checks only in "Warn" and "Fail" modes
+        and, on a mismatch under "Warn" or "Ignore", writes each rank's files into its own tag:
+        a split checkpoint that loads nowhere. One atomic commit cannot span several tags (the
+        ranks would wait for each other's directories), so here a mismatch raises on every rank
+        in every mode; the modes keep their meaning for the message only."""
         digest = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "big")
         low, high = torch.tensor([digest]), torch.tensor([digest])
-        comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self.dp_group)
-        comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+        comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self._checkpoint_group())
+        comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self._checkpoint_group())
         if low.item() != high.item():
-            message = f"checkpoint tag {tag!r} is not the same on all ranks"
-            if mode == "Fail":
-                raise ValueError(message)
-            logger.warning(message)
+            mode = self._config.checkpoint_tag_validation_mode
+            hint = "" if mode == "Fail" else (f' (checkpoint.tag_validation is "{mode}", but the ranks cannot '
+                                              "commit one checkpoint under different tags)")
+            raise ValueError(f"checkpoint tag {tag!r} of rank {comm.get_rank()} is not the same on all "
+                             f"ranks{hint}; pass the same tag on every rank")
 
     # --- load -------------------------------------------------------------------------------------
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -91,11 +106,11 @@ class EngineCheckpointing:
         tag_dir = resolve_tag_dir(load_dir, str(tag))
         if not os.path.isdir(tag_dir):
             raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
-        saved = discover(tag_dir, bf16_first=self.bfloat16_enabled())
-        model_path = self._model_file_for_this_rank(saved)
+        model_path = self._model_file_for_this_rank(tag_dir)
         if not verify_files(tag_dir, [os.path.basename(model_path)]):
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
+        saved = self._discover_for_tp(tag_dir, model_state, load_optimizer_states and not load_module_only)
         if self.has_moe_layers:  # [Note: MoE checkpoint layout]
             model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)
@@ -113,17 +128,31 @@ class EngineCheckpointing:
                 else:
                     load_optimizer_state(self, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
-        comm.barrier(self.dp_group)
+        comm.barrier(self._checkpoint_group())
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
 
-    def _model_file_for_this_rank(self, saved: SavedLayout) -> str:
-        names = [os.path.basename(f) for f in saved.model_files]
-        plain = model_states_name(0)
-        if plain in names:
-            return os.path.join(saved.tag_dir, plain)
+    def _discover_for_tp(self, tag_dir: str, model_state: dict[str, Any], wants_optimizer: bool) -> SavedLayout:
+        """The saved layout for this tp rank; the module state resharded when the tp size changed
+        ([Note: AutoTP checkpoint layout])."""
+        saved_tp, current_tp = tp_checkpoint.saved_tp_size(model_state), getattr(self, "mp_world_size", 1)
+        if saved_tp != current_tp and wants_optimizer:
+            raise ValueError(f"checkpoint {tag_dir} was saved at tensor-parallel size {saved_tp}, this run has "
+                             f"{current_tp}: load it with load_optimizer_states=False (the weights reshard, the "
+                             "optimizer starts fresh)")
+        model_state[C.MODULE] = tp_checkpoint.tp_module_state(self.module, tag_dir, model_state, current_tp, load_file)
+        mp_rank = self._checkpoint_mp_rank() if saved_tp == current_tp else 0
+        return discover(tag_dir, bf16_first=self.bfloat16_enabled(), mp_rank=mp_rank)
+
+    def _model_file_for_this_rank(self, tag_dir: str) -> str:
+        names = [os.path.basename(f) for f in find_model_files(tag_dir)]
+        if not names:
+            raise FileNotFoundError(f"no *_model_states.pt file in checkpoint directory {tag_dir}")
+        for plain in (model_states_name(0, mp_rank=self._checkpoint_mp_rank()), model_states_name(0)):
+            if plain in names:   # this tp rank's file; mp_rank_00 when the tp size changed
+                return os.path.join(tag_dir, plain)
         dp_rank = comm.get_rank(self.dp_group)
         wanted = model_states_name(3, dp_rank if dp_rank < len(names) else 0)
-        return os.path.join(saved.tag_dir, wanted)
+        return os.path.join(tag_dir, wanted)
 
     def _load_module(self, model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
         module_state = model_state[C.MODULE]

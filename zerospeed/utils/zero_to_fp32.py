@@ -16,8 +16,9 @@ re-mapped for every shard (touched pages stay resident while mapped): peak memor
 output shard plus that shard's input pages, not the model size.
 
 Layouts read (reference §7.4): stage 1/2 (lean fp32 partitions concatenated in rank order, cut
-by `param_shapes`), stage 3 (each parameter split into ceil(numel/W) chunks per rank), and
-zerospeed's stage 0 (no optim files: fp32 masters or fp32 module weights from the model file).
+by `param_shapes`), stage 3 (each parameter split into ceil(numel/W) chunks per rank),
+zerospeed's stage 0 (no optim files: fp32 masters or fp32 module weights from the model file),
+and pipeline checkpoints of either library ([Note: pipeline checkpoints]).
 """
 
 from __future__ import annotations
@@ -171,10 +172,19 @@ def _cat(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
 class _ZeroCheckpoint:
     """The `_Source`s of one tag directory, in the module's state-dict order."""
 
-    def __init__(self, tag_dir: str, exclude_frozen_parameters: bool, verify: bool = True) -> None:
+    def __init__(self, tag_dir: str, exclude_frozen_parameters: bool, verify: bool = True,
+                 stage_files: tuple[str, list[str], dict] | None = None, mp_rank: int | None = None) -> None:
+        """`stage_files` (pipeline checkpoints): one stage's model file, its optim files and its
+        model state with `module` filled from the layer files, instead of the whole directory.
+        `mp_rank`: only that model-parallel rank's files (one tp rank of an AutoTP checkpoint)."""
         self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
-        self.model_files = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
-        self.optim_files = sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
+        if stage_files is not None:
+            self.model_files, self.optim_files, self.model0 = [stage_files[0]], stage_files[1], stage_files[2]
+            self.sources: OrderedDict[str, _Source] = OrderedDict()
+            return
+        mp = "" if mp_rank is None else f"mp_rank_{mp_rank:02d}_"
+        self.model_files = sorted(glob.glob(os.path.join(tag_dir, f"*{mp}model_states.pt")), key=_natural_key)
+        self.optim_files = sorted(glob.glob(os.path.join(tag_dir, f"*{mp}optim_states.pt")), key=_natural_key)
         if not self.model_files:
             raise FileNotFoundError(f"no *_model_states.pt file in {tag_dir}")
         if verify:
@@ -318,9 +328,121 @@ class _ZeroCheckpoint:
         return OrderedDict((name, self.sources[name]) for name in order)
 
 
+_LAYER_FILE = re.compile(r"layer_(\d+)(-model_\d+)?-model_states\.pt$")
+
+
+class _PipelineCheckpoint:
+    """[Note: pipeline checkpoints] A pipeline checkpoint (DeepSpeed's layout, either library's)
+    holds each layer's weights in `layer_XX-model_states.pt` (global layer index, model dtype), one
+    `mp_rank_SS_model_states.pt` per stage with `module: None`, and the stage's optimizer files
+    (`*_mp_rank_SS_optim_states.pt`, fp32 masters at ZeRO 1/2). Output: the state dict of the
+    whole PipelineModule, as one stage holding every layer names it (`<layer index>.<name>`, tied
+    modules once as `tied_modules.<key>.<name>`). Each stage is read as a small ZeRO checkpoint
+    whose `module` is rebuilt from the layer files, so the fp32 values are the masters wherever
+    the optimizer holds them; frozen weights and buffers come from the layer files. A layer file
+    names no key: a layer is a tied module when its names are unknown as `<index>.<name>` but
+    known, in some stage's model file, under exactly one `tied_modules.<key>.`. DeepSpeed's stage-0
+    model files list no parameter names: there every layer file is read as `<index>.<name>` (a
+    tied module then appears under the index of each layer file that holds it)."""
+
+    def __init__(self, tag_dir: str, layer_files: list[str], exclude_frozen_parameters: bool, verify: bool) -> None:
+        self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
+        self.layer_files = sorted(layer_files, key=_natural_key)
+        sliced = [path for path in self.layer_files if _LAYER_FILE.search(path).group(2)]
+        if sliced:
+            raise ValueError(f"{sliced[0]} is a tensor-parallel slice: merging tensor-parallel pipeline "
+                             "checkpoints is not supported")
+        self.stage_files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")), key=_natural_key)
+        if not self.stage_files:
+            raise FileNotFoundError(f"pipeline checkpoint {tag_dir} has layer files but no mp_rank_*_model_states.pt")
+        optim = sorted(glob.glob(os.path.join(tag_dir, "*_optim_states.pt")), key=_natural_key)
+        if verify:
+            _verify(tag_dir, self.layer_files + self.stage_files + optim)
+        self.stages = [_load(path) for path in self.stage_files]
+
+    @staticmethod
+    def _names(model_state: dict) -> set[str]:
+        names = set(_merged_shapes(model_state.get("param_shapes") or []))
+        names |= set(model_state.get("buffer_names") or []) | set(model_state.get("frozen_param_shapes") or {})
+        return names | set(model_state.get("shared_params") or {})
+
+    def _whole_module(self, known: set[str]) -> OrderedDict:
+        tied_keys = sorted({name.split(".")[1] for name in known if name.startswith("tied_modules.")})
+        tied: OrderedDict = OrderedDict()
+        layers: OrderedDict = OrderedDict()
+        for path in self.layer_files:
+            index, state = int(_LAYER_FILE.search(path).group(1)), _load(path)
+            if any(f"{index}.{name}" in known for name in state) or not tied_keys:
+                layers.update((f"{index}.{name}", tensor) for name, tensor in state.items())
+                continue
+            keys = [key for key in tied_keys if any(f"tied_modules.{key}.{name}" in known for name in state)]
+            if len(keys) > 1:
+                raise ValueError(f"{path}: its names fit the tied modules {keys}; cannot tell which it holds")
+            prefix = f"tied_modules.{keys[0]}." if keys else f"{index}."
+            target = tied if keys else layers
+            for name, tensor in state.items():
+                target.setdefault(prefix + name, tensor)   # a tied module's copies are equal: keep the first
+        tied.update(layers)
+        return tied
+
+    def collect(self) -> OrderedDict:
+        known = set().union(*(self._names(state) for state in self.stages))
+        module = self._whole_module(known)
+        sources: OrderedDict[str, _Source] = OrderedDict()
+        buffers: set[str] = set()
+        for path, state in zip(self.stage_files, self.stages):
+            if not state.get("param_shapes"):   # DeepSpeed at stage 0 lists no names: the layer files are all
+                continue
+            stage_rank = re.search(r"mp_rank_(\d+)_model_states", path).group(1)
+            optim = sorted(glob.glob(os.path.join(self.tag_dir, f"*_mp_rank_{stage_rank}_optim_states.pt")),
+                           key=_natural_key)
+            names = self._names(state)
+            stage_state = dict(state, module=OrderedDict((n, t) for n, t in module.items() if n in names))
+            buffers |= set(state.get("buffer_names") or [])
+            part = _ZeroCheckpoint(self.tag_dir, self.exclude_frozen, stage_files=(path, optim, stage_state))
+            for name, source in part.collect().items():
+                sources.setdefault(name, source)
+        listed = any(state.get("param_shapes") for state in self.stages)
+        for name, tensor in module.items():   # what no stage lists: frozen weights, or all (DeepSpeed, stage 0)
+            if name not in sources and not (self.exclude_frozen and listed and name not in buffers):
+                dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+                sources[name] = _Source(tensor.shape, dtype, lambda t=tensor, d=dtype: t.to(d).clone())
+        order = [name for name in module if name in sources] + [name for name in sources if name not in module]
+        return OrderedDict((name, sources[name]) for name in order)
+
+
 def _sources(checkpoint_dir: str, tag: str | None, exclude_frozen_parameters: bool,
              verify: bool = True) -> OrderedDict:
-    return _ZeroCheckpoint(_tag_dir(checkpoint_dir, tag), exclude_frozen_parameters, verify).collect()
+    tag_dir = _tag_dir(checkpoint_dir, tag)
+    layer_files = [p for p in glob.glob(os.path.join(tag_dir, "layer_*model_states.pt")) if _LAYER_FILE.search(p)]
+    if layer_files:
+        return _PipelineCheckpoint(tag_dir, layer_files, exclude_frozen_parameters, verify).collect()
+    first = sorted(glob.glob(os.path.join(tag_dir, "*_model_states.pt")), key=_natural_key)
+    record = _load(first[0]).get("autotp_shards") if first else None
+    if not record:
+        return _ZeroCheckpoint(tag_dir, exclude_frozen_parameters, verify).collect()
+    return _merge_tp_ranks(tag_dir, exclude_frozen_parameters, verify, record)
+
+
+def _merge_tp_ranks(tag_dir: str, exclude_frozen: bool, verify: bool, record: dict) -> OrderedDict:
+    """An AutoTP checkpoint (zerospeed's, it records `autotp_shards`: name -> [dim, fused parts]):
+    each tp rank's files give its pieces; split parameters are joined part by part along `dim`."""
+    tp_size = len(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    ranks = [_ZeroCheckpoint(tag_dir, exclude_frozen, verify, mp_rank=r).collect() for r in range(tp_size)]
+    merged = OrderedDict(ranks[0])
+    for name, (dim, parts) in record.items():
+        if name not in merged:
+            continue
+        pieces = [sources[name] for sources in ranks]
+        shape = list(pieces[0].shape)
+        shape[dim] *= tp_size
+
+        def build(pieces=pieces, dim=dim, parts=parts) -> torch.Tensor:
+            chunks = [piece.build().chunk(parts, dim=dim) for piece in pieces]
+            return torch.cat([torch.cat([c[p] for c in chunks], dim=dim) for p in range(parts)], dim=dim)
+
+        merged[name] = _Source(torch.Size(shape), pieces[0].dtype, build)
+    return merged
 
 
 def _materialize(sources: OrderedDict, names: list[str]) -> OrderedDict:

@@ -3,7 +3,7 @@
 `main(ds, ctx, stage, steps, load_from=None, resume_steps=0)`: 2 stages on 2 ranks, 2 micro-
 batches per step, `steps` train_batch calls then `save_checkpoint(ctx.path("ckpt"))`; with
 `load_from` a fresh engine loads that directory instead and trains `resume_steps` more. Reports
-the losses and this stage's parameters by global layer name; also whether `seed_layers=True`
+the losses and this stage's parameters by global layer name (also as saved: "saved"); also whether `seed_layers=True`
 with partition_method='parameters' raises (DeepSpeed 0.19.8: TypeError on Python >= 3.11).
 """
 
@@ -52,11 +52,12 @@ def main(ds, ctx, stage, steps, load_from=None, resume_steps=0):
                                 seed_layers=True, partition_method="parameters")
     torch.manual_seed(0)
     engine = engine_for(ds, stage)
-    losses, first_step = [], 0
+    losses, first_step, saved = [], 0, {}
     if load_from is None:
         for step in range(steps):
             losses.append(float(engine.train_batch(micro_batches(step))))
         engine.save_checkpoint(ctx.path("ckpt"))
+        saved = {name: ctx.values(p) for name, p in engine.module.named_parameters()}
         first_step = steps
     else:
         engine.load_checkpoint(load_from)
@@ -65,5 +66,5 @@ def main(ds, ctx, stage, steps, load_from=None, resume_steps=0):
         losses.append(float(engine.train_batch(micro_batches(step))))
     params = {name: ctx.values(p) for name, p in engine.module.named_parameters()}
     files = ctx.files(ctx.path("ckpt")) if load_from is None else []
-    return {"losses": losses, "params": params, "seed_error": seed_error, "files": files,
+    return {"losses": losses, "params": params, "saved": saved, "seed_error": seed_error, "files": files,
             "global_steps": engine.global_steps}

@@ -119,7 +119,7 @@ def _refusals():
     for call in (lambda: engine(torch.zeros(1)), lambda: engine.backward(torch.zeros(())), engine.step):
         with pytest.raises(PipelineError, match="Only train_batch"):
             call()
-    with pytest.raises(ValueError, match="ZeRO stage 3"):
+    with pytest.raises(ValueError, match="ZeRO stage 3.*zero_optimization.stage"):
         zerospeed.initialize(model=PipelineModule(mlp_specs(2), num_stages=2, loss_fn=mse),
                              config=_config(2, 1, {"zero_optimization": {"stage": 3}}))
     with torch.no_grad(), pytest.raises(RuntimeError, match="requires gradients"):

@@ -53,6 +53,8 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         if self.optimizer is not None:
             self._pipe_clip = float(self.optimizer.clip_grad)
             self.optimizer.clip_grad = 0.0  # clipping is pipeline-wide, done here before the wrapper steps
+            # fp16 (and bf16's check_grad_overflow): every stage skips the same steps ([Note: pipeline fp16]).
+            self.optimizer.model_parallel_group = self.grid.get_model_parallel_group()
         self.module.tied_comms.start_tracking()
         self.data_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
@@ -60,6 +62,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.agg_train_loss: torch.Tensor | None = None
         self.eval_return_logits = False
         self._batch_time_s = 0.0
+        self.last_batch_seconds: dict[str, float] = {}
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -69,9 +72,6 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         if stage >= 3:
             raise ValueError("ZeRO stage 3 is not supported with pipeline parallelism; use zero_optimization.stage "
                              "1 or 2 (zerospeed runs both with a PipelineModule)")
-        if self.fp16_enabled():
-            raise NotImplementedError("fp16 with pipeline parallelism is not implemented in zerospeed yet; "
-                                      "use bf16 (or fp32)")
         if self.schedule_name not in _SCHEDULES:
             raise ValueError(f"pipeline.schedule must be one of {sorted(_SCHEDULES)}, got {self.schedule_name!r}")
         interleaved = self.schedule_name == "interleaved_1f1b"
@@ -137,6 +137,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.monitoring.tput_timer.start()
         executor = StageExecutor(self, self.data_iterator, training=True)
         executor.run(self._schedule(True, self.micro_batches))
+        self.last_batch_seconds = executor.seconds   # per instruction type, this stage
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_loss(executor.losses)
         self.monitoring.record_loss(self.agg_train_loss)
@@ -147,16 +148,22 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         return self.agg_train_loss
 
     def _pipeline_optimizer_step(self) -> None:
-        """[Note: pipeline gradient norm] Clip by the norm over every stage, then step the wrapper."""
+        """[Note: pipeline gradient norm] Clip by the norm over every stage, then step the wrapper.
+
+        [Note: pipeline fp16] The gradients still carry the loss scale: the norm is divided by it and
+        the clip multiplier applies to the scaled values (the wrapper then unscales). The wrapper
+        decides overflow over its data-parallel group and then over the model-parallel group (all
+        stages), so every rank skips the same steps and keeps the same loss scale; a skipped step
+        leaves the last applied step's norm ([Note: one step] in base_optimizer.py)."""
         grads = stage_gradients(self.optimizer)
-        self._global_grad_norm = self._pipeline_grad_norm(grads)
-        if self._pipe_clip > 0 and self._global_grad_norm + 1e-6 > self._pipe_clip:
-            scale_(grads.tensors, self._pipe_clip / (self._global_grad_norm + 1e-6))
-        norm = self._global_grad_norm
+        previous = self._global_grad_norm if self._global_grad_norm is not None else 0.0
+        norm = self._pipeline_grad_norm(grads) / float(self.optimizer.cur_scale)
+        if math.isfinite(norm) and self._pipe_clip > 0 and norm + 1e-6 > self._pipe_clip:
+            scale_(grads.tensors, self._pipe_clip / (norm + 1e-6))
         self.micro_steps += self.micro_batches
         self.gas_boundary_ctr += 1
         self._take_model_step(None)
-        self._global_grad_norm = norm
+        self._global_grad_norm = previous if self.optimizer.overflow else norm
 
     def _pipeline_grad_norm(self, grads: Any) -> float:
         squares = sum_of_squares(grads.tensors).reshape(1).to(self.device)
@@ -164,7 +171,8 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
             comm.all_reduce(squares, group=grads.group)
         squares -= self.module.tied_comms.duplicate_sq_norm(self.dp_group)
         comm.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
-        return math.sqrt(max(float(squares.item()), 0.0))
+        total = float(squares.item())
+        return math.sqrt(max(total, 0.0)) if math.isfinite(total) else math.inf
 
     def _aggregate_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Mean over micro-batches and data-parallel pipelines, broadcast from the last stage."""

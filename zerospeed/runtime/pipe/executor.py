@@ -15,7 +15,9 @@ averaged over micro-batches exactly once (DeepSpeed#7773 summed them for years).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +27,10 @@ from zerospeed.runtime.pipe import instructions as ins
 from zerospeed.runtime.pipe import p2p
 
 __all__ = ["StageExecutor"]
+
+# Sends in flight per stage before the oldest is waited on: enough that a stage rarely waits for
+# its neighbour, few enough that the tensors they hold stay a handful of activations.
+_MAX_PENDING_SENDS = 16
 
 
 @dataclasses.dataclass
@@ -51,6 +57,8 @@ class StageExecutor:
         self.buffers: dict[tuple[int, int], _Buffer] = {}
         self.losses: list[torch.Tensor] = []   # per micro-batch, in micro-batch order, last virtual stage
         self.logits: list[Any] = []
+        self.seconds: dict[str, float] = {}
+        self._sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._handlers: dict[type, Callable[[Any], None]] = {
             ins.LoadMicroBatch: self._load, ins.ForwardPass: self._forward, ins.BackwardPass: self._backward,
             ins.SendActivation: self._send_activation, ins.RecvActivation: self._recv_activation,
@@ -60,9 +68,22 @@ class StageExecutor:
         }
 
     def run(self, schedule: Any) -> None:
+        """Execute every instruction; `seconds` gets the wall time spent per instruction type (what
+        benchmarks/bench_pipeline.py turns into each stage's measured idle fraction)."""
+        clock = time.perf_counter
         for step in schedule:
             for cmd in step:
+                start = clock()
                 self._handlers[type(cmd)](cmd)
+                name = type(cmd).__name__
+                self.seconds[name] = self.seconds.get(name, 0.0) + clock() - start
+        self._wait_sends(0)   # not on an error: a peer that stopped would never receive
+
+    def _wait_sends(self, keep: int) -> None:
+        """Complete the oldest pending sends until `keep` are left (bounds the memory they hold)."""
+        while len(self._sends) > keep:
+            work, _tensor = self._sends.popleft()
+            work.wait()
 
     # --- helpers ------------------------------------------------------------------------------
     def _buffer(self, cmd: ins.BufferOpInstruction) -> _Buffer:
@@ -126,7 +147,8 @@ class StageExecutor:
         buffer.outputs = buffer.grads = buffer.loss = buffer.labels = None
 
     def _send_activation(self, cmd: ins.SendActivation) -> None:
-        p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device)
+        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device))
+        self._wait_sends(_MAX_PENDING_SENDS)
         if not self.training:
             self._buffer(cmd).outputs = None
 
@@ -135,7 +157,8 @@ class StageExecutor:
 
     def _send_grad(self, cmd: ins.SendGrad) -> None:
         buffer = self._buffer(cmd)
-        p2p.send_grads(buffer.inputs, self._peer(-1))
+        self._sends.extend(p2p.send_grads(buffer.inputs, self._peer(-1)))
+        self._wait_sends(_MAX_PENDING_SENDS)
         buffer.inputs = None
 
     def _recv_grad(self, cmd: ins.RecvGrad) -> None:

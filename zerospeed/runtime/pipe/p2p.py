@@ -1,7 +1,11 @@
 """Point-to-point transfers between pipeline stages: activations forward, gradients back.
 
-Blocking `send`/`recv` between neighbouring stages (and last <-> first, for interleaved chunks),
-as DeepSpeed. The wire format is ours and simple: every activation transfer starts with a fixed
+Sends are non-blocking (`isend`), receives blocking, between neighbouring stages (and last <->
+first, for interleaved chunks). A blocking send waits until the peer posts its receive (gloo does:
+measured, a send to a peer that receives 1 s later takes 1 s), so with blocking sends a stage that
+finished a micro-batch idles until its neighbour is ready, which the schedule's theory does not
+count. The send functions return their pending `Sends`; the executor waits on them later
+(executor.py), keeping the tensors alive until then. DeepSpeed's sends block. The wire format is ours and simple: every activation transfer starts with a fixed
 int64 header describing the tensors that follow, so shapes may change from one micro-batch to the
 next (DeepSpeed caches the first shapes unless `dynamic_shape=True`, and sends the metadata with
 its own pickled-object path otherwise):
@@ -20,7 +24,7 @@ import torch
 
 from zerospeed import comm
 
-__all__ = ["HEADER_NUMEL", "recv_activations", "recv_grads", "send_activations", "send_grads"]
+__all__ = ["HEADER_NUMEL", "Sends", "recv_activations", "recv_grads", "send_activations", "send_grads"]
 
 HEADER_NUMEL = 256
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -49,11 +53,17 @@ def _header(tensors: tuple[torch.Tensor, ...], is_tuple: bool) -> torch.Tensor:
     return torch.tensor(fields + [0] * (HEADER_NUMEL - len(fields)), dtype=torch.int64)
 
 
-def send_activations(value: Any, dst: int, device: torch.device) -> None:
+Sends = list[tuple[Any, torch.Tensor]]   # (work, the tensor it reads), until waited on
+
+
+def _isend(tensor: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
+    return comm.isend(tensor, dst), tensor
+
+
+def send_activations(value: Any, dst: int, device: torch.device) -> Sends:
     tensors = _as_tuple(value)
-    comm.send(_header(tensors, isinstance(value, tuple)).to(device), dst)
-    for tensor in tensors:
-        comm.send(tensor.detach().contiguous(), dst)
+    sends = [_isend(_header(tensors, isinstance(value, tuple)).to(device), dst)]
+    return sends + [_isend(tensor.detach().contiguous(), dst) for tensor in tensors]
 
 
 def recv_activations(src: int, device: torch.device) -> Any:
@@ -78,11 +88,13 @@ def grad_carrying(value: Any) -> list[torch.Tensor]:
     return [t for t in _as_tuple(value) if t.is_floating_point() and t.requires_grad]
 
 
-def send_grads(inputs: Any, dst: int) -> None:
+def send_grads(inputs: Any, dst: int) -> Sends:
     """Send the gradient of every grad-carrying input back to the stage that produced it."""
+    sends = []
     for tensor in grad_carrying(inputs):
         grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-        comm.send(grad.contiguous(), dst)
+        sends.append(_isend(grad.contiguous(), dst))
+    return sends
 
 
 def recv_grads(outputs: Any, src: int) -> list[torch.Tensor]:

@@ -321,6 +321,12 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self.backward_epilogue(is_boundary=True)
         return StepGradients([g.partition_grad for g in self.groups], self.dp_process_group, self._comm_device)
 
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
+        # The partition's parameter fragments, padding left out ([Note: tensor-parallel norm]).
+        return [(grad.narrow(0, frag.partition_start, frag.numel),
+                 bool(getattr(group.params[frag.param_index], "tensor_model_parallel", False)))
+                for group, grad in zip(self.groups, grads.tensors) for frag in group.layout.fragments(group.dp_rank)]
+
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         if self.offload is not None:
             self.offload.step(grads, multiplier)

@@ -1,0 +1,215 @@
+"""Compat script: the engine's smaller public methods and arguments, the same calls on either library.
+
+Each check returns plain values (numbers, digests of tensors, file lists, exception type names) so
+that the test can compare DeepSpeed 0.19.8 and zerospeed key by key. Every check raises or not on
+all ranks alike, so a failing call never leaves a rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STEPS = 3
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+def _config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                         "warmup_num_steps": 10}},
+            "zero_optimization": {"stage": stage}, "steps_per_print": 1000, **extra}
+
+
+def _engine(ds, stage: int = 0, model: torch.nn.Module | None = None, **extra):
+    torch.manual_seed(0)
+    model = model or Net()
+    engine, *_ = ds.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                               config=_config(stage, **extra))
+    return engine
+
+
+def _batch(ctx, step: int, rows: int = 2):
+    generator = torch.Generator().manual_seed(100 * step + ctx.rank)
+    return torch.randn(rows, 4, generator=generator), torch.randn(rows, 2, generator=generator)
+
+
+def _train(engine, ctx, steps: int = STEPS) -> list[float]:
+    losses = []
+    for step in range(steps * engine.gradient_accumulation_steps()):
+        loss = engine(*_batch(ctx, step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(round(loss.item(), 6))
+    return losses
+
+
+def _params(ctx, engine) -> dict[str, str]:
+    return {name: ctx.digest(p) for name, p in engine.module.named_parameters()}
+
+
+def batch_sizes(ds, ctx) -> dict:
+    engine = _engine(ds)
+    sizes = lambda: [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),  # noqa: E731
+                     engine.gradient_accumulation_steps()]
+    out = {"initial": sizes()}
+    engine.set_train_batch_size(16)
+    out["set_train_batch_size_16"] = sizes()
+    out["set_train_batch_size_7"] = ctx.error_name(engine.set_train_batch_size, 7)
+    engine.set_train_micro_batch_size(1)
+    out["set_train_micro_batch_size_1"] = sizes()
+    return out
+
+
+def accumulation_boundary(ds, ctx) -> dict:
+    engine = _engine(ds)
+    seen = []
+    for step in range(4):  # the client decides the boundary: every second backward is one
+        engine.set_gradient_accumulation_boundary(step % 2 == 1)
+        seen.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(*_batch(ctx, step)))
+        engine.step()
+    return {"boundaries": seen, "global_steps": engine.global_steps, "params": _params(ctx, engine)}
+
+
+def backward_options(ds, ctx) -> dict:
+    out = {}
+    for scale in (True, False):
+        engine = _engine(ds)
+        loss = engine(*_batch(ctx, 0))
+        engine.backward(loss, retain_graph=True, scale_wrt_gas=scale)
+        out[f"grad_scale_wrt_gas_{scale}"] = ctx.values(engine.module.b.bias.grad)
+        engine.backward(loss, scale_wrt_gas=scale)  # the retained graph runs backward a second time
+        out[f"grad_twice_scale_wrt_gas_{scale}"] = ctx.values(engine.module.b.bias.grad)
+    return out
+
+
+def step_lr_kwargs(ds, ctx) -> dict:
+    engine = _engine(ds, gradient_accumulation_steps=1, train_micro_batch_size_per_gpu=2)
+    engine.backward(engine(*_batch(ctx, 0)))
+    engine.step(lr_kwargs={"last_batch_iteration": 5})
+    return {"lr": [round(lr, 9) for lr in engine.get_lr()]}
+
+
+def no_sync(ds, ctx) -> dict:
+    out = {}
+    for stage in (0, 1, 2):
+        engine = _engine(ds, stage)
+        try:
+            with engine.no_sync():
+                engine.backward(engine(*_batch(ctx, 0)))
+            # this rank's own gradient, unreduced (p.grad itself is gone at stage 1 in zerospeed)
+            out[f"stage{stage}"] = ctx.values(ds.utils.safe_get_full_grad(engine.module.b.bias))
+        except Exception as error:  # noqa: BLE001 - the type is the result
+            out[f"stage{stage}"] = type(error).__name__
+            continue
+        engine.backward(engine(*_batch(ctx, 1)))  # the boundary: reduces what no_sync accumulated
+        engine.step()
+        out[f"stage{stage}_after_step"] = _params(ctx, engine)
+    return out
+
+
+def data_loader(ds, ctx) -> dict:
+    dataset = torch.utils.data.TensorDataset(torch.arange(22.0).view(11, 2))
+    out = {}
+    for drop_last in (False, True):
+        engine = _engine(ds, dataloader_drop_last=drop_last)
+        loader = engine.deepspeed_io(dataset)
+        batches = [batch[0].tolist() for batch in loader]
+        out[f"drop_last_{drop_last}"] = {"len": len(loader), "batches": batches}
+    return out
+
+
+def checkpoint_options(ds, ctx) -> dict:
+    root = ctx.path("ckpt")
+    engine = _engine(ds)
+    _train(engine, ctx)
+    engine.save_checkpoint(root, tag="no_latest", save_latest=False)
+    engine.save_checkpoint(root, tag="kept")
+    out = {"files": ctx.files(root), "trained": _params(ctx, engine), "lr": engine.get_lr()}
+    for name, kwargs in {"module_only": {"load_module_only": True},
+                         "no_optimizer": {"load_optimizer_states": False},
+                         "no_scheduler": {"load_lr_scheduler_states": False},
+                         "full": {}}.items():
+        fresh = _engine(ds)
+        _train(fresh, ctx, steps=1)  # some state of its own, to see what a load replaces
+        path, _ = fresh.load_checkpoint(root, tag="kept", **kwargs)
+        out[name] = {"path": os.path.basename(str(path)), "params": _params(ctx, fresh), "lr": fresh.get_lr(),
+                     "global_steps": fresh.global_steps, "then": _train(fresh, ctx, steps=1)}
+    calls = []
+    custom = _engine(ds)
+    custom.load_checkpoint(root, tag="kept", custom_load_fn=lambda src, dst: calls.append(sorted(src)))
+    out["custom_load_fn"] = {"calls": calls, "params": _params(ctx, custom)}
+    return out
+
+
+class Extended(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(2, 2)
+
+
+def load_strictness(ds, ctx) -> dict:
+    root = ctx.path("strict")
+    engine = _engine(ds)
+    _train(engine, ctx, steps=1)
+    engine.save_checkpoint(root, tag="t")
+    out = {}
+    for strict in (True, False):
+        bigger = _engine(ds, model=Extended())
+        try:
+            bigger.load_checkpoint(root, tag="t", load_module_strict=strict, load_optimizer_states=False)
+            out[f"strict_{strict}"] = ctx.digest(bigger.module.a.weight)
+        except Exception as error:  # noqa: BLE001 - the type is the result
+            out[f"strict_{strict}"] = type(error).__name__
+    return out
+
+
+def frozen_and_16bit(ds, ctx) -> dict:
+    root = ctx.path("frozen")
+    model = Net()
+    model.a.requires_grad_(False)
+    engine = _engine(ds, model=model)
+    _train(engine, ctx, steps=1)
+    engine.save_checkpoint(root, tag="t", exclude_frozen_parameters=True)
+    engine.save_fp16_model(ctx.path("fp16_model"), "model.bin")
+    torch.distributed.barrier()  # rank 0 writes it; neither library waits for the others after
+    module_file = os.path.join(root, "t", "mp_rank_00_model_states.pt")
+    module_keys = sorted(torch.load(module_file, map_location="cpu", weights_only=False)["module"])
+    saved = torch.load(ctx.path("fp16_model", "model.bin"), map_location="cpu", weights_only=False)
+    return {"module_keys": module_keys, "fp16_model": {k: ctx.digest(v) for k, v in sorted(saved.items())},
+            "params": _params(ctx, engine)}
+
+
+def tag_validation(ds, ctx) -> dict:
+    out = {}
+    for mode in ("Ignore", "Warn", "Fail"):
+        engine = _engine(ds, checkpoint={"tag_validation": mode})
+        tag = f"rank{ctx.rank}"
+        out[mode] = ctx.error_name(engine.save_checkpoint, ctx.path(f"tags_{mode}"), tag=tag)
+    return out
+
+
+CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, no_sync, data_loader,
+          checkpoint_options, load_strictness, frozen_and_16bit, tag_validation]
+
+
+def main(ds, ctx) -> dict:
+    result = {}
+    for check in CHECKS:
+        try:
+            result[check.__name__] = check(ds, ctx)
+        except Exception as error:  # noqa: BLE001 - reported per check, compared by the test
+            result[check.__name__] = {"raised": f"{type(error).__name__}: {str(error)[:300]}"}
+    return result

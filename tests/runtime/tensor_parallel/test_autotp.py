@@ -1,0 +1,171 @@
+"""AutoTP training: HF Llama and GPT-2 sharded over 2 (and 2 x 2) gloo ranks equal the unsharded
+model trained in one process (losses, parameters, gradient norm; fp32), and full weights come back.
+
+Each rank also trains the reference itself (a plain torch copy on the whole global batch), so a
+run returns only booleans and the largest differences. The clip threshold is set below the
+gradient norm so a wrong norm (DeepSpeed's sqrt(tp) error) changes every parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+
+SEQ, STEPS, MICRO, LR, CLIP = 8, 3, 2, 0.2, 0.5
+TOL = 1e-5
+
+
+def _model(kind: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+                                        tie_word_embeddings=False))
+
+
+def _batches(global_batch: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (global_batch, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def _reference(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    # SGD: the update scales with the clip factor (Adam would cancel a wrong norm out).
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _config(stage: int, tp: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+            "tensor_parallel": {"autotp_size": tp}}
+
+
+def _max_diff(full: dict, reference: torch.nn.Module) -> float:
+    expected = reference.state_dict()
+    assert set(full) == set(expected), set(full) ^ set(expected)
+    return max((full[k].float() - expected[k].float()).abs().max().item() for k in expected)
+
+
+def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None, params_first: bool = False) -> dict:
+    import zerospeed
+    from zerospeed.comm import groups
+    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
+
+    world = torch.distributed.get_world_size()
+    dp = world // tp
+    model, batches = _model(kind), _batches(MICRO * dp)
+    reference_after = copy.deepcopy(model)
+    ref_losses, ref_norms = _reference(reference_after, batches)
+    try:
+        # As Hugging Face's Trainer: the parameter list is taken before initialize shards the model.
+        params = [p for p in model.parameters() if p.requires_grad] if params_first else None
+        engine, *_ = zerospeed.initialize(model=zerospeed.tp_model_init(model, tp, torch.float32),
+                                          model_parameters=params, config=_config(stage, tp))
+        dp_rank = engine.get_data_parallel_rank()
+        losses, norms = [], []
+        for ids in batches:
+            mine = ids[dp_rank * MICRO:(dp_rank + 1) * MICRO]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+            engine.step()
+            global_loss = loss.detach().clone()
+            torch.distributed.all_reduce(global_loss, group=engine.dp_group)
+            losses.append(global_loss.item() / dp)
+            norms.append(engine.get_global_grad_norm())
+        full = consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
+        on_rank0 = engine._consolidated_16bit_state_dict()  # DeepSpeed's contract: rank 0 only
+        result = {
+            "consolidated": _max_diff(on_rank0, reference_after) if engine.global_rank == 0 else len(on_rank0),
+            "split": sum(getattr(p, "tensor_model_parallel", False) for p in engine.module.parameters()),
+            "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+            "param": _max_diff(full, reference_after),
+            "clipped": min(ref_norms) > CLIP,
+        }
+        if save_dir is not None:
+            result.update(_round_trip(engine, kind, stage, tp, save_dir, full))
+        return result
+    finally:
+        groups.reset()
+
+
+def _round_trip(engine, kind: str, stage: int, tp: int, save_dir: str, full: dict) -> dict:
+    import zerospeed
+    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
+
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.save_16bit_model(save_dir, "model.bin")
+    saved = torch.load(os.path.join(save_dir, "model.bin"), weights_only=True)
+    fresh, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, tp))
+    fresh.load_checkpoint(save_dir, tag="t")
+    reloaded = consolidated_state_dict(fresh.module, fresh.tensor_parallel.tp_group)
+    # Another tp size (none): the full weights are rebuilt from both mp_rank files.
+    untp, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, 0))
+    untp.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
+    at_tp1 = untp.module.state_dict()
+    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    merged = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
+    return {"files": sorted(os.listdir(os.path.join(save_dir, "t"))),
+            "at_tp1": max((at_tp1[k] - full[k]).abs().max().item() for k in full),
+            "zero_to_fp32": max((merged[k] - full[k]).abs().max().item() for k in full),
+            "saved_16bit": max((saved[k] - full[k]).abs().max().item() for k in full),
+            "reloaded": max((reloaded[k] - full[k]).abs().max().item() for k in full),
+            "steps": fresh.global_steps}
+
+
+def _two_rank_runs(save_dir: str) -> dict:
+    return {"llama_stage0": _train_parity("llama", 0, 2),
+            "llama_stage2": _train_parity("llama", 2, 2, save_dir, params_first=True),
+            "gpt2_stage1": _train_parity("gpt2", 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("autotp"))
+    return run_on_ranks(_two_rank_runs, 2, save_dir)
+
+
+@pytest.mark.parametrize("run", ["llama_stage0", "llama_stage2", "gpt2_stage1"])
+def test_tp2_equals_unsharded_model(two_ranks, run):
+    for rank_result in two_ranks:
+        result = rank_result[run]
+        assert result["split"] > 0
+        assert result["clipped"], "the clip threshold must bind for the norm to matter"
+        assert result["loss"] < TOL and result["norm"] < TOL and result["param"] < TOL, result
+    assert two_ranks[0][run]["consolidated"] < TOL and two_ranks[1][run]["consolidated"] == 0
+
+
+def test_checkpoint_round_trip_and_16bit_save(two_ranks):
+    result = two_ranks[0]["llama_stage2"]
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= set(result["files"])
+    assert result["saved_16bit"] == 0.0 and result["reloaded"] == 0.0 and result["steps"] == STEPS
+    assert result["at_tp1"] == 0.0 and result["zero_to_fp32"] == 0.0
+
+
+def _four_rank_run() -> dict:
+    return _train_parity("llama", 1, 2, params_first=True)
+
+
+def test_tp2_dp2_on_four_ranks():
+    for result in run_on_ranks(_four_rank_run, 4):
+        assert result["loss"] < TOL and result["norm"] < TOL and result["param"] < TOL, result

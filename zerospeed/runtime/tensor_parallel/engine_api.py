@@ -1,0 +1,73 @@
+"""The engine's AutoTP surface (DeepSpeed's names): accessors and full 16-bit weights under TP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
+from zerospeed.runtime.tensor_parallel.setup import TensorParallelSetup, check_engine_supported, setup_autotp
+from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
+
+__all__ = ["EngineTensorParallel"]
+
+
+class EngineTensorParallel:
+    """Mixin of DeepSpeedEngine; ``tensor_parallel`` is None unless ``autotp_size > 1``."""
+
+    tensor_parallel: TensorParallelSetup | None = None
+    _config: Any
+    module: torch.nn.Module
+    optimizer: Any
+    dp_group: Any
+
+    def _init_tensor_parallel(self, model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -> Any:
+        """Shard ``model`` when AutoTP is on; returns the data-parallel group it built (else None)."""
+        self.tensor_parallel = setup_autotp(model, raw_config, mpu)
+        return None if self.tensor_parallel is None else self.tensor_parallel.dp_group
+
+    def _attach_tensor_parallel(self) -> None:
+        """After the optimizer exists: check the combination, hand the optimizer the tp group."""
+        if self.tensor_parallel is None:
+            return
+        check_engine_supported(self._config.zero_optimization_stage, bool(getattr(self, "has_moe_layers", False)))
+        if self.optimizer is not None:
+            self.optimizer.tp_group = self.tensor_parallel.tp_group
+
+    # --- DeepSpeed's accessors -------------------------------------------------------------------
+    def autotp_size(self) -> int:
+        return self._config.tensor_parallel_config.autotp_size
+
+    def tensor_parallel_config(self) -> TPTrainingConfig:
+        return self._config.tensor_parallel_config
+
+    def get_tensor_parallel_rank(self) -> int:
+        return 0 if self.tensor_parallel is None else self.tensor_parallel.tp_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return self.get_tensor_parallel_rank()
+
+    def get_data_parallel_rank(self) -> int:
+        return comm.get_rank(self.dp_group)
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.tp_size
+
+    # --- full weights ----------------------------------------------------------------------------
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """Under AutoTP: the unsharded model's state dict on global rank 0, {} on the others (as
+        DeepSpeed); collective, every rank must call it."""
+        if self.tensor_parallel is None:
+            return super()._consolidated_16bit_state_dict(exclude_frozen_parameters)  # type: ignore[misc]
+        full = consolidated_state_dict(self.module, self.tensor_parallel.tp_group,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        return full if comm.get_rank() == 0 else {}
+
+    def _full_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with split parameters made whole (unchanged without AutoTP)."""
+        if self.tensor_parallel is None:
+            return state_dict
+        return consolidated_state_dict(self.module, self.tensor_parallel.tp_group, state=state_dict)
