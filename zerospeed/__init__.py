@@ -37,7 +37,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                      distributed_port=distributed_port, dist_init_required=dist_init_required)
     dist = comm
     config = _resolve_config_source(args, config if config is not None else config_params)
-    _refuse_unimplemented_parallelism(config, mpu)
     engine_class = DeepSpeedEngine
     from zerospeed.runtime.pipe.module import PipelineModule
 
@@ -64,19 +63,6 @@ def _resolve_config_source(args: Any, config: Any) -> Any:
         config = args.deepspeed_config
     assert config is not None, "DeepSpeed requires --deepspeed_config to specify configuration file"
     return config
-
-
-def _refuse_unimplemented_parallelism(config: Any, mpu: Any) -> None:
-    """Clients switch sequence parallelism on by DeepSpeed version; zerospeed does not have it
-    yet, so say so here rather than train a different model or fail deep inside."""
-    from zerospeed.runtime.config import load_ds_config
-
-    raw = load_ds_config(config)
-    sp_size = raw.get("sequence_parallel_size", 1)
-    mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
-    if (isinstance(sp_size, int) and sp_size > 1) or (mpu_sp is not None and mpu_sp() > 1):
-        raise NotImplementedError("sequence parallelism (Ulysses / ALST, sequence_parallel_size > 1) is not "
-                                  "implemented in zerospeed yet")
 
 
 def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> Any:

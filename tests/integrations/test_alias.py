@@ -42,7 +42,6 @@ def test_client_symbols_resolve(probe):
 
 
 def test_missing_features_are_named(probe):
-    assert "sequence parallelism" in probe["errors"]["ulysses"]
     assert "tp_model_init: model must be a torch.nn.Module" in probe["errors"]["tp_model_init"]
     assert "deepspeed.no_such_module" in probe["errors"]["unknown"]
 

@@ -46,6 +46,8 @@ __all__ = [
     "initialize_sequence_parallel",
     "is_initialized",
     "reset",
+    "adopt_sequence_parallel",
+    "forget_sequence_parallel",
     "_create_expert_and_data_parallel",
     "_get_data_parallel_group",
     "_get_data_parallel_rank",
@@ -191,6 +193,18 @@ def initialize_sequence_parallel(topology: ProcessTopology) -> tuple[AxisGroup, 
     fused = _fuse_axes(topology, ("data", "sequence"))
     _groups[SEQUENCE_DATA_PARALLEL] = create_axis_group(fused, "fused")
     return sequence, _groups[SEQUENCE_DATA_PARALLEL]
+
+
+def adopt_sequence_parallel(sequence_group: Any, sequence_data_group: Any) -> None:
+    """Register sequence-parallel groups a user's ``mpu`` built (DeepSpeed's ALST mpu)."""
+    _adopt(SEQUENCE_PARALLEL, sequence_group)
+    _adopt(SEQUENCE_DATA_PARALLEL, sequence_data_group)
+
+
+def forget_sequence_parallel() -> None:
+    """Drop the sequence-parallel groups: a later engine without them must not see a stale size."""
+    _groups.pop(SEQUENCE_PARALLEL, None)
+    _groups.pop(SEQUENCE_DATA_PARALLEL, None)
 
 
 def _fuse_axes(topology: ProcessTopology, axes: tuple[str, ...]) -> ProcessTopology:

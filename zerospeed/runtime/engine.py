@@ -31,6 +31,7 @@ from zerospeed.runtime.engine_setup import (
 )
 from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
 from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
 from zerospeed.utils.logging import log_dist, logger
 
@@ -43,11 +44,10 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
         self._init_counters()
+        raw_config = config_class._param_dict if config_class is not None else load_ds_config(config)
         # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).
-        tp_dp_group = self._init_tensor_parallel(model, (config_class._param_dict if config_class is not None
-                                                         else load_ds_config(config)), mpu)
-        self.dp_group = tp_dp_group if tp_dp_group is not None else groups.initialize_data_parallel(mpu=mpu).group
-        self.dp_world_size = comm.get_world_size(self.dp_group)
+        tp_dp_group = self._init_tensor_parallel(model, raw_config, mpu)
+        self._init_parallel_groups(raw_config, mpu, tp_dp_group)
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
@@ -71,6 +71,29 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         self._init_monitoring()
 
     # --- setup ------------------------------------------------------------------------------------
+    def _init_parallel_groups(self, raw: dict[str, Any], mpu: Any, tp_dp_group: Any) -> None:
+        """`dp_group` reduces gradients and partitions ZeRO state; `dp_world_size` sizes the batch.
+
+        With sequence parallelism they differ: the reduction spans data x sequence ranks while the
+        batch counts data-parallel replicas only (DeepSpeed's `seq_data_parallel_group` and
+        `dp_world_size`; sequence_parallel/groups_setup.py explains the layout and the averaging).
+        """
+        sp = build_sequence_parallel(raw, mpu if tp_dp_group is None else None)
+        if sp is not None and tp_dp_group is not None:
+            raise ValueError("sequence_parallel_size > 1 with tensor_parallel.autotp_size > 1 is not supported")
+        if sp is None:
+            self.dp_group = tp_dp_group if tp_dp_group is not None else groups.initialize_data_parallel(mpu=mpu).group
+            self.dp_world_size = comm.get_world_size(self.dp_group)
+            self.data_parallel_group = self.seq_data_parallel_group = self.dp_group
+            self.sequence_parallel_size = 1
+        else:
+            self.dp_group = self.seq_data_parallel_group = sp.sequence_data_parallel_group
+            self.dp_world_size = sp.data_parallel_size
+            self.data_parallel_group = sp.data_parallel_group
+            self.seq_parallel_group = sp.sequence_parallel_group
+            self.sequence_parallel_size = sp.sequence_parallel_size
+        self.seq_dp_world_size = comm.get_world_size(self.seq_data_parallel_group)
+
     def _init_counters(self) -> None:
         self.global_steps = 0
         self.global_samples = 0
@@ -113,15 +136,16 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         return DeepSpeedDataLoader(
             training_data, batch_size=self.train_micro_batch_size_per_gpu(), pin_memory=True,
             local_rank=self.local_rank, collate_fn=collate_fn,
-            data_parallel_world_size=self.dp_world_size, data_parallel_rank=comm.get_rank(self.dp_group),
-            dataloader_drop_last=self._config.dataloader_drop_last)
+            data_parallel_world_size=self.dp_world_size,
+            data_parallel_rank=comm.get_rank(self.data_parallel_group), dataloader_drop_last=self._config.dataloader_drop_last)
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, collate_fn: Any = None,
                      **kwargs: Any) -> DeepSpeedDataLoader:
         return DeepSpeedDataLoader(
             dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), pin_memory=True,
             local_rank=self.local_rank, collate_fn=collate_fn, data_parallel_world_size=self.dp_world_size,
-            data_parallel_rank=comm.get_rank(self.dp_group), dataloader_drop_last=self._config.dataloader_drop_last)
+            data_parallel_rank=comm.get_rank(self.data_parallel_group),
+            dataloader_drop_last=self._config.dataloader_drop_last)
 
     def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         # Every ZeRO stage trains MoE layers (stage 3: [Note: MoE at stage 3] in stage3_gradients.py).

@@ -117,3 +117,8 @@ class EngineAccessors:
     @property
     def gate_modules(self) -> list[Any]:
         return self._moe_info.gate_modules
+
+    # --- sequence parallelism -------------------------------------------------------------------
+    def get_sequence_parallel_group(self) -> Any:
+        """The Ulysses group (DeepSpeed's attribute is only set with sequence_parallel_size > 1)."""
+        return self.seq_parallel_group  # type: ignore[attr-defined]
