@@ -201,8 +201,58 @@ def tag_validation(ds, ctx) -> dict:
     return out
 
 
+def bf16_overflow_check(ds, ctx) -> dict:
+    """`bf16.check_grad_overflow`: an infinite loss skips the step when set, poisons it when not."""
+    out = {}
+    for check in (True, False):
+        engine = _engine(ds, 1, bf16={"enabled": True, "check_grad_overflow": check},
+                         gradient_accumulation_steps=1)
+        x, y = _batch(ctx, 0)
+        loss = engine(x.bfloat16(), y.bfloat16()) * float("inf")
+        engine.backward(loss)
+        engine.step()
+        out[f"check_{check}"] = {"finite": all(bool(torch.isfinite(p.float()).all())
+                                               for p in engine.module.parameters()),
+                                 "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps}
+    return out
+
+
+def fp32_weights_on_load(ds, ctx) -> dict:
+    """`zero_optimization.load_from_fp32_weights`: masters from the checkpoint's fp32 copies, or
+    rebuilt from the bf16 module weights; one step after the load shows which."""
+    root = ctx.path("fp32_weights")
+    engine = _engine(ds, 2, bf16={"enabled": True}, gradient_accumulation_steps=1)
+    for step in range(2):
+        x, y = _batch(ctx, step)
+        engine.backward(engine(x.bfloat16(), y.bfloat16()))
+        engine.step()
+    engine.save_checkpoint(root, tag="t")
+    out = {}
+    for from_fp32 in (True, False):
+        fresh = _engine(ds, 2, bf16={"enabled": True}, gradient_accumulation_steps=1,
+                        zero_optimization={"stage": 2, "load_from_fp32_weights": from_fp32})
+        fresh.load_checkpoint(root, tag="t")
+        x, y = _batch(ctx, 9)
+        fresh.backward(fresh(x.bfloat16(), y.bfloat16()))
+        fresh.step()
+        out[f"from_fp32_{from_fp32}"] = _params(ctx, fresh)
+    out["differ"] = out["from_fp32_True"] != out["from_fp32_False"]
+    return out
+
+
+def model_persistence(ds, ctx) -> dict:
+    """`stage3_model_persistence_threshold` caps the total size of the parameters kept whole."""
+    out = {}
+    for cap in (10**9, 20, 0):
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 100, "stage3_model_persistence_threshold": cap}
+        engine = _engine(ds, 3, zero_optimization=zero)
+        out[f"cap_{cap}"] = sorted(n for n, p in engine.module.named_parameters() if getattr(p, "ds_persist", False))
+    return out
+
+
 CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, no_sync, data_loader,
-          checkpoint_options, load_strictness, frozen_and_16bit, tag_validation]
+          checkpoint_options, load_strictness, frozen_and_16bit, tag_validation, bf16_overflow_check,
+          fp32_weights_on_load, model_persistence]
 
 
 def main(ds, ctx) -> dict:
