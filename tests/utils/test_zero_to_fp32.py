@@ -203,3 +203,21 @@ def test_hf_gpt2_round_trip(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=torch.arange(16).view(1, 16) % 64).logits, logits,
                                    rtol=0, atol=1e-6)
+
+
+def test_cli_tag_and_load_into_a_model(saved, tmp_path):
+    """`-t TAG` picks the tag without `latest`; a missing tag is an error naming it; and
+    load_state_dict_from_zero_checkpoint fills a fresh model with the same fp32 values."""
+    save_dir, full, frozen = saved
+    tag = (save_dir / "latest").read_text().strip()
+    script = os.path.join(str(save_dir), "zero_to_fp32.py")
+    subprocess.run([sys.executable, script, str(save_dir), str(tmp_path / "out"), "-t", tag], check=True,
+                   capture_output=True, cwd=str(tmp_path))
+    state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    _check(state, full, frozen)
+    missing = subprocess.run([sys.executable, script, str(save_dir), str(tmp_path / "none"), "-t", "no_such_tag"],
+                             capture_output=True, text=True, cwd=str(tmp_path))
+    assert missing.returncode != 0 and "no_such_tag" in missing.stderr
+    model = z.load_state_dict_from_zero_checkpoint(TiedModel(), str(save_dir), tag=tag)
+    for name, value in full.items():
+        assert torch.equal(dict(model.named_parameters())[name].detach(), value), name
