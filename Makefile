@@ -38,7 +38,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/run.py
 
 lint: $(VENV)/.test
-	$(PIP) install -q ruff mypy
+	$(PIP) install -q ruff==0.17.6 mypy==2.4.1
 	$(VENV)/bin/ruff check zerospeed tests examples benchmarks
 	$(VENV)/bin/mypy
 
