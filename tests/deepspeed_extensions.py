@@ -25,7 +25,7 @@ DEEPSPEED_VERSION = "0.19.8"
 EXTENSIONS_DIR = os.environ.get("ZS_COMPAT_EXTENSIONS_DIR") or os.path.join(
     os.path.expanduser("~"), ".cache", "torch_extensions", f"deepspeed-{DEEPSPEED_VERSION}")
 PREBUILD_TIMEOUT_S = 900
-_prepared = threading.Event()
+_prepared = False
 _prepare_lock = threading.Lock()  # side-by-side runs start from two threads at once
 
 # Only the op every launch loads (at init_distributed); cpu_adam and the others build when a run
@@ -56,10 +56,11 @@ def clear_stale_locks() -> list[str]:
 
 def prepare_deepspeed_ops() -> None:
     """Once per session: clear stale locks, then build DeepSpeed's CPU ops in one process."""
+    global _prepared
     with _prepare_lock:
-        if not _prepared.is_set():
+        if not _prepared:
             _build_ops()
-            _prepared.set()
+            _prepared = True
 
 
 def _build_ops() -> None:

@@ -139,3 +139,13 @@ def run_job(argv, job_env, timeout_s):
             out, err = proc.communicate()
         raise AssertionError(f"job timed out after {timeout_s} s:\n{err[-4000:]}") from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def stop_process(proc, grace_s):
+    """SIGTERM `proc`, SIGKILL it if it is still there after `grace_s`; reap it either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher_helpers import stop_process
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 SSHD_CONFIG = """ListenAddress {addr}
@@ -99,12 +101,7 @@ def two_hosts(workdir: Path) -> Iterator[Hosts]:
         for ns in names:  # whatever a test left running on a host: its launcher, pdsh, orted, ranks
             kill_all_in(ns)
         for proc in sshds:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 10)
         for ns in names:  # deleting a namespace removes its veth end, and so the pair
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 

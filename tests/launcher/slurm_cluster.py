@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher_helpers import stop_process
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel")
 
 # proctrack/pgid: a cancelled step's processes are found by process group, so what a rank forked
@@ -106,12 +108,7 @@ def slurm_cluster(workdir: Path) -> Iterator[Cluster]:
             subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=10)
             _wait_until_no_jobs(env)
         for proc in reversed(daemons):
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 15)
 
 
 def _wait_for_idle(cluster: Cluster, env: dict[str, str], workdir: Path, timeout_s: float = 60) -> None:
