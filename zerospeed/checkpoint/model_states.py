@@ -80,7 +80,7 @@ def build_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen
         C.SKIPPED_STEPS: engine.skipped_steps,
         C.GLOBAL_STEPS: engine.global_steps,
         C.GLOBAL_SAMPLES: engine.global_samples,
-        C.DP_WORLD_SIZE: engine.dp_world_size,
+        C.DP_WORLD_SIZE: getattr(engine, "seq_dp_world_size", engine.dp_world_size),   # DeepSpeed's: sp x dp
         C.MP_WORLD_SIZE: getattr(engine, "mp_world_size", 1),   # the tp size under AutoTP
         C.CHECKPOINT_PARALLEL_DIMENSIONS: {"pp_degree": 1, "tp_degree": getattr(engine, "mp_world_size", 1)},
         C.DS_CONFIG: engine._config._param_dict,

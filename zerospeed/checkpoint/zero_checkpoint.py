@@ -104,7 +104,7 @@ def load_optimizer_state(engine: Any, saved: SavedLayout, model_state: dict[str,
     if not load_optimizer_states:
         _restore_weights(engine, saved, model_state)
         return
-    same_partitioning = saved.zero_stage == stage and (stage == 0 or saved.dp_world_size == engine.dp_world_size)
+    same_partitioning = saved.zero_stage == stage and (stage == 0 or saved.dp_world_size == _partition_count(engine))
     if same_partitioning and not _stage0_precision_changed(engine, saved, model_state):
         if stage == 0:
             engine.optimizer.load_state_dict(model_state[C.OPTIMIZER], load_optimizer_states=True)
@@ -243,7 +243,7 @@ def _import_zero12(engine: Any, full: FullOptimizerState, load_optimizer_states:
             state[base["param_groups"][g]["params"][0]] = {**scalars, **moments}
     base["state"] = state
     base["param_groups"] = _with_hyperparams(base["param_groups"], full)
-    current[C.PARTITION_COUNT] = [engine.dp_world_size] * len(current[C.SINGLE_PARTITION_OF_FP32_GROUPS])
+    current[C.PARTITION_COUNT] = [_partition_count(engine)] * len(current[C.SINGLE_PARTITION_OF_FP32_GROUPS])
     wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
 
 
@@ -262,7 +262,7 @@ def _import_zero3(engine: Any, full: FullOptimizerState, load_optimizer_states: 
         offset = 0
         for param in params:
             name = engine.param_names[param]
-            start, real_numel = rank_span(param.ds_numel, engine.dp_world_size, dp_rank)
+            start, real_numel = rank_span(param.ds_numel, _partition_count(engine), dp_rank)
             flat.narrow(0, offset, real_numel).copy_(_require(full.fp32, name).reshape(-1).narrow(0, start, real_numel))
             for key, value in full.moments.get(name, {}).items():
                 moment = moments.setdefault(key, torch.zeros(flat.numel(), dtype=value.dtype))
@@ -274,7 +274,7 @@ def _import_zero3(engine: Any, full: FullOptimizerState, load_optimizer_states: 
             state[indices[k]] = {**scalars, **moments}
     base["state"] = state
     base["param_groups"] = _with_hyperparams(base["param_groups"], full)
-    current[C.PARTITION_COUNT] = engine.dp_world_size
+    current[C.PARTITION_COUNT] = _partition_count(engine)
     wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
 
 
@@ -294,3 +294,11 @@ def _dp_rank(engine: Any) -> int:
     from zerospeed import comm
 
     return comm.get_rank(engine.dp_group)
+
+
+def _partition_count(engine: Any) -> int:
+    """The ranks ZeRO partitions over: `dp_group`, which under sequence parallelism spans sp x dp
+    ranks while `engine.dp_world_size` counts data-parallel replicas only."""
+    from zerospeed import comm
+
+    return comm.get_world_size(engine.dp_group)
