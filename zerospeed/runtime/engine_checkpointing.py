@@ -23,8 +23,10 @@ from zerospeed.checkpoint.layout import (LATEST, ZERO_TO_FP32, default_tag, find
                                          optim_states_name)
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
+from zerospeed.checkpoint.zero_checkpoint import (SavedLayout, discover, import_full_state, load_optimizer_state,
+                                                   stage0_optimizer_entry)
 from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
+from zerospeed.runtime.tensor_parallel.optimizer_reshard import tp_resharded_optimizer_state
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -112,7 +114,7 @@ class EngineCheckpointing:
         model_state = load_file(model_path)
         if self.has_moe_layers and self.zero_optimization_stage() == 3:   # weights live in the optim files
             moe_checkpoint.check_optimizer_topology(self, tag_dir, model_state)
-        saved = self._discover_for_tp(tag_dir, model_state, load_optimizer_states and not load_module_only)
+        saved = self._discover_for_tp(tag_dir, model_state)
         if self.has_moe_layers:  # [Note: MoE checkpoint layout]
             model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)
@@ -128,22 +130,27 @@ class EngineCheckpointing:
                 if self.has_moe_layers and load_optimizer_states and self.zero_optimization_stage() == 0:
                     moe_checkpoint.load_moe_optimizer(self, tag_dir, load_file)
                 else:
-                    load_optimizer_state(self, saved, model_state, load_optimizer_states)
+                    self._load_optimizer_for_tp(tag_dir, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self._checkpoint_group())
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
 
-    def _discover_for_tp(self, tag_dir: str, model_state: dict[str, Any], wants_optimizer: bool) -> SavedLayout:
+    def _discover_for_tp(self, tag_dir: str, model_state: dict[str, Any]) -> SavedLayout:
         """The saved layout for this tp rank; the module state resharded when the tp size changed
         ([Note: AutoTP checkpoint layout])."""
         saved_tp, current_tp = tp_checkpoint.saved_tp_size(model_state), getattr(self, "mp_world_size", 1)
-        if saved_tp != current_tp and wants_optimizer:
-            raise ValueError(f"checkpoint {tag_dir} was saved at tensor-parallel size {saved_tp}, this run has "
-                             f"{current_tp}: load it with load_optimizer_states=False (the weights reshard, the "
-                             "optimizer starts fresh)")
         model_state[C.MODULE] = tp_checkpoint.tp_module_state(self.module, tag_dir, model_state, current_tp, load_file)
         mp_rank = self._checkpoint_mp_rank() if saved_tp == current_tp else 0
         return discover(tag_dir, bf16_first=self.bfloat16_enabled(), mp_rank=mp_rank)
+
+    def _load_optimizer_for_tp(self, tag_dir: str, saved: SavedLayout, model_state: dict[str, Any],
+                               load_optimizer_states: bool) -> None:
+        """The optimizer state, resharded when the tp size changed ([Note: AutoTP optimizer resharding])."""
+        if load_optimizer_states and tp_checkpoint.saved_tp_size(model_state) != getattr(self, "mp_world_size", 1):
+            full = tp_resharded_optimizer_state(self, tag_dir, model_state, load_file)
+            import_full_state(self, full, load_optimizer_states=True)
+        else:
+            load_optimizer_state(self, saved, model_state, load_optimizer_states)
 
     def _model_file_for_this_rank(self, tag_dir: str) -> str:
         names = [os.path.basename(f) for f in find_model_files(tag_dir)]

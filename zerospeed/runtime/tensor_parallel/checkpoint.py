@@ -7,8 +7,8 @@ replicated ones whole, ``mp_world_size`` = tp), and every rank writes
 ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt`` at ZeRO 1-2. The model file also records how
 each split parameter was cut (``autotp_shards``: name -> [dim, fused parts]), so a run at another
 tp size (or without TP) rebuilds the full weights from all ``mp_rank_*`` files and takes its own
-pieces. DeepSpeed needs a universal-checkpoint conversion for that (DS#7320, PR#8474). The
-optimizer state is per tp rank: a changed tp size loads the weights and starts the optimizer fresh.
+pieces. DeepSpeed needs a universal-checkpoint conversion for that (DS#7320, PR#8474). The optimizer
+state reshards the same way ([Note: AutoTP optimizer resharding] in optimizer_reshard.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from zerospeed.runtime.tensor_parallel.state_dict import shard_state_dict, split_params
 
-__all__ = ["TP_SHARDS_KEY", "merge_tp_module_states", "saved_tp_size", "shard_record", "tp_module_state"]
+__all__ = ["TP_SHARDS_KEY", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
+           "shard_record", "tp_module_state"]
 
 TP_SHARDS_KEY = "autotp_shards"
 
@@ -36,14 +37,28 @@ def saved_tp_size(model_state: dict[str, Any]) -> int:
     return int(model_state.get("mp_world_size") or 1)
 
 
+def join_pieces(pieces: list[torch.Tensor], dim: int, fused_parts: int) -> torch.Tensor:
+    """The full tensor from every tp rank's piece (in tp-rank order): each fused part is split on its own."""
+    per_rank = [piece.chunk(fused_parts, dim=dim) for piece in pieces]
+    return torch.cat([torch.cat([chunks[part] for chunks in per_rank], dim=dim) for part in range(fused_parts)], dim=dim)
+
+
 def merge_tp_module_states(states: list[dict[str, Any]], record: dict[str, list[int]]) -> dict[str, Any]:
     """The full module state dict from every tp rank's module state (in tp-rank order)."""
     full = dict(states[0])
     for name, (dim, fused_parts) in record.items():
-        per_rank = [state[name].chunk(fused_parts, dim=dim) for state in states]
-        full[name] = torch.cat([torch.cat([chunks[part] for chunks in per_rank], dim=dim)
-                                for part in range(fused_parts)], dim=dim)
+        full[name] = join_pieces([state[name] for state in states], dim, fused_parts)
     return full
+
+
+def saved_shard_record(tag_dir: str, model_state: dict[str, Any]) -> dict[str, list[int]]:
+    """How the checkpoint's split parameters were cut (nothing is split in a checkpoint saved without TP)."""
+    saved_tp = saved_tp_size(model_state)
+    record = model_state.get(TP_SHARDS_KEY)
+    if record is None and saved_tp > 1:
+        raise ValueError(f"checkpoint {tag_dir} (tp size {saved_tp}) does not say how its parameters were split "
+                         f"('{TP_SHARDS_KEY}'); it loads only at tp size {saved_tp}")
+    return record or {}
 
 
 def tp_module_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str, Any], current_tp: int,
@@ -57,9 +72,6 @@ def tp_module_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str
     if len(files) != saved_tp:
         raise ValueError(f"checkpoint {tag_dir} was saved at tp size {saved_tp} but holds {len(files)} "
                          "mp_rank_*_model_states.pt files (resharding needs ZeRO stage 0-2 files of every tp rank)")
-    record = model_state.get(TP_SHARDS_KEY)
-    if record is None:
-        raise ValueError(f"checkpoint {tag_dir} (tp size {saved_tp}) does not say how its parameters were split "
-                         f"('{TP_SHARDS_KEY}'); it loads only at tp size {saved_tp}")
+    record = saved_shard_record(tag_dir, model_state)
     full = merge_tp_module_states([load(path)["module"] for path in files], record)
     return shard_state_dict(module, full)
