@@ -40,7 +40,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-STAGES, MICRO, M, STEPS, WARMUP = 4, 2, 8, 6, 2
+# The stage count travels to the spawned ranks through the environment (`--stages`): a machine
+# with fewer cores than ranks measures core contention, not the schedule's idle fraction.
+STAGES = int(os.environ.get("ZS_BENCH_PIPE_STAGES", "4"))
+MICRO, M, STEPS, WARMUP = 2, 8, 6, 2
 MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=128)
 SYSTEMS = ["zs-1f1b", "ds-1f1b", "pt-1f1b", "zs-gpipe", "pt-gpipe", "zs-interleaved"]
 
@@ -271,10 +274,16 @@ def run(system: str) -> list[list[float]]:
 
 
 def main() -> None:
+    global STAGES
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--stages", type=int, choices=(2, 4), default=STAGES,
+                        help="pipeline stages = ranks (8 blocks split evenly); use no more than the machine's cores "
+                             "to measure the schedule's idle fraction")
     args = parser.parse_args()
+    STAGES = args.stages
+    os.environ["ZS_BENCH_PIPE_STAGES"] = str(STAGES)
     by_system: dict[str, list[list[list[float]]]] = {s: [] for s in args.systems}
     for _ in range(args.rounds):
         for system in args.systems:
