@@ -52,6 +52,13 @@ def _frozen(engine: Any) -> tuple[OrderedDict[str, torch.Size], dict[str, torch.
 
 def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
     state = engine.module.state_dict()
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        # A ZeRO-3 parameter's weights live in the optim files; DeepSpeed's file holds a (0,)
+        # placeholder, also for a parameter that is whole at the moment (persistent, or gathered),
+        # and its loader copies the module entry into the (partitioned) parameter: a full tensor
+        # there would not fit.
+        if hasattr(param, "ds_id") and name in state:
+            state[name] = torch.empty(0, dtype=param.dtype)
     if exclude_frozen:
         for name, param in engine.module.named_parameters():
             if not param.requires_grad:
