@@ -50,7 +50,9 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         self._init_parallel_groups(raw_config, mpu, tp_dp_group)
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
-        self._config = config_class or DeepSpeedConfig(config, mpu, world_size=self.dp_world_size)
+        batch_config = self._tp_batch_config(raw_config, self.dp_world_size)   # the given config unless restated
+        self._config = config_class or DeepSpeedConfig(config if batch_config is raw_config else batch_config, mpu,
+                                                       world_size=self.dp_world_size)
         self._apply_log_level()
         self.precision = PrecisionSettings.from_config(self._config)
         self.communication_data_type = self.precision.communication_dtype

@@ -22,7 +22,10 @@ def _engine(tp: int, stage: int):
     import zerospeed
 
     dp = torch.distributed.get_world_size() // tp
+    # train_batch_size counted over every rank, as accelerate writes it for "auto" and DeepSpeed checks
+    # it under AutoTP: restated for the dp size (engine.train_batch_size() below).
     config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 1.0,
+              "train_batch_size": GLOBAL_BATCH // dp * torch.distributed.get_world_size(),
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
     model = _model("llama")
@@ -69,6 +72,7 @@ def _resume_at_other_tp(saved_tp: int, saved_stage: int, loaded_tp: int, loaded_
         resumed = _engine(loaded_tp, loaded_stage)
         resumed.load_checkpoint(save_dir, tag="t")
         steps = resumed.global_steps
+        assert engine.train_batch_size() == resumed.train_batch_size() == GLOBAL_BATCH
         losses, got = _train(resumed, range(SAVE_AT, STEPS)), _full(resumed)
         return {"loss": max(abs(a - b) / b for a, b in zip(losses, continued)), "steps": steps,
                 "param": max((got[k] - expected[k]).abs().max().item() for k in expected),

@@ -10,6 +10,7 @@ from zerospeed import comm
 from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
 from zerospeed.runtime.tensor_parallel.setup import TensorParallelSetup, check_engine_supported, setup_autotp
 from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
+from zerospeed.utils.logging import logger
 
 __all__ = ["EngineTensorParallel"]
 
@@ -27,6 +28,26 @@ class EngineTensorParallel:
         """Shard ``model`` when AutoTP is on; returns the data-parallel group it built (else None)."""
         self.tensor_parallel = setup_autotp(model, raw_config, mpu)
         return None if self.tensor_parallel is None else self.tensor_parallel.dp_group
+
+    def _tp_batch_config(self, raw_config: dict[str, Any], dp_world_size: int) -> dict[str, Any]:
+        """The ds_config for the batch triangle: under AutoTP a `train_batch_size` that counts every
+        rank (micro x accumulation x world, which DeepSpeed 0.19.8 checks and accelerate writes for
+        "auto") is restated for the data-parallel size, with a warning; the micro batch and the
+        accumulation steps are what train. Any other mismatch is left for the config to report."""
+        if self.tensor_parallel is None:
+            return raw_config
+        tbs, mbs = raw_config.get("train_batch_size"), raw_config.get("train_micro_batch_size_per_gpu")
+        gas = raw_config.get("gradient_accumulation_steps", 1)
+        if not all(isinstance(v, int) for v in (tbs, mbs, gas)):
+            return raw_config
+        world = dp_world_size * self.tensor_parallel.tp_size
+        if tbs == mbs * gas * world and tbs != mbs * gas * dp_world_size:
+            logger.warning(f"train_batch_size {tbs} counts all {world} ranks (DeepSpeed's AutoTP convention); "
+                           f"with tensor_parallel.autotp_size {self.tensor_parallel.tp_size} the batch trained per "
+                           f"step is {mbs * gas * dp_world_size} (micro {mbs} x accumulation {gas} x {dp_world_size} "
+                           "data-parallel ranks)")
+            return {**raw_config, "train_batch_size": mbs * gas * dp_world_size}
+        return raw_config
 
     def _attach_tensor_parallel(self) -> None:
         """After the optimizer exists: check the combination, hand the optimizer the tp group."""
