@@ -2,8 +2,8 @@
 
 Both libraries write the same files (the ZeRO partitions over all sp x dp ranks, so one optim file
 per rank), `zero_to_fp32` merges them into the same full weights, and each library loads the
-other's checkpoint to exactly the fp32 weights it saved and continues the same trajectory (Adam:
-the moments must have come back). The trajectories agree although DeepSpeed's ZeRO-1 gradients are sp times ours under
+other's checkpoint to exactly the fp32 weights it saved; at ZeRO 3, where both libraries' gradients
+are the sample's, it continues the same trajectory (Adam: the moments must have come back). The trajectories agree although DeepSpeed's ZeRO-1 gradients are sp times ours under
 sequence parallelism (its moments show the factor; docs/compatibility.md): Adam's update does not
 change under a constant gradient scale, up to eps.
 """
@@ -18,6 +18,7 @@ import torch
 pytestmark = pytest.mark.compat
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "sp_checkpoint.py")
 STAGES = (1, 3)
+STEPS_AFTER_SAVE = 2
 
 
 def _close(a, b, rtol=1e-5, atol=1e-7, msg=""):
@@ -52,6 +53,11 @@ def test_sp_checkpoints_match_and_cross_load_with_deepspeed(tmp_path) -> None:
                 # Exactly the weights the other library saved, and the same continuation: Adam with
                 # lost or misplaced moments would move the weights by about lr.
                 assert got["weights"] == {name: s[2] for name, s in saved["state"].items()}, f"{impl} {other} {stage}"
-                _close(got["losses"], saved["losses"][2:], msg=f"{impl} continuing {other}'s stage {stage}")
-                for name, value in saved["end"].items():
-                    _close(got["end"][name], value, msg=f"{impl} continuing {other}'s stage {stage}: {name}")
+                # At ZeRO 1 the loaded moments are in the other library's gradient scale and the new
+                # gradients in this one's: only the first loss (the loaded weights') must agree.
+                continued = STEPS_AFTER_SAVE if stage == "3" else 1
+                _close(got["losses"][:continued], saved["losses"][2:2 + continued],
+                       msg=f"{impl} continuing {other}'s stage {stage}")
+                if stage == "3":
+                    for name, value in saved["end"].items():
+                        _close(got["end"][name], value, msg=f"{impl} continuing {other}'s stage {stage}: {name}")

@@ -1,5 +1,5 @@
-"""Checkpoints of sequence-parallel training (`sequence_parallel_size` 2; sp 2 and sp 2 x dp 2) at
-ZeRO 1 and 3: DeepSpeed's file layout for that setup (the ZeRO partitions span every sp x dp rank,
+"""Checkpoints of sequence-parallel training (`sequence_parallel_size` 2: ZeRO 1 and 3 at sp 2, ZeRO 1
+at sp 2 x dp 2 on 4 ranks): DeepSpeed's file layout for that setup (the ZeRO partitions span every sp x dp rank,
 so there is one `zero_pp_rank_{r}` file per rank), a resumed run continues bit for bit (Adam, so
 the moments must come back too), and `zero_to_fp32` merges the files into the full weights.
 
@@ -88,7 +88,7 @@ def _expected_files(stage, world):
     return sorted(optim + ["mp_rank_00_model_states.pt"])
 
 
-@pytest.mark.parametrize("world, stages", [(2, (1, 3)), (4, (1, 3))])
+@pytest.mark.parametrize("world, stages", [(2, (1, 3)), (4, (1,))])
 def test_sp_checkpoint_layout_resume_and_zero_to_fp32(tmp_path, world, stages):
     results = run_on_ranks(_runs, world, 2, stages, str(tmp_path))
     for rank, by_stage in enumerate(results):
