@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -130,6 +130,20 @@ class ZeroParameter(torch.nn.Parameter):
     """The class a parameter takes once it is partitioned: DeepSpeed's per-parameter methods."""
 
     zs_state: ZeroParamState
+    # DeepSpeed's attributes, derived from zs_state by `_write_ds_attributes` ([Note: ds_* attributes])
+    ds_id: int
+    ds_shape: torch.Size
+    ds_numel: int
+    ds_tensor: torch.Tensor
+    ds_status: ZeroParamStatus
+    ds_persist: bool
+    ds_param_type: ZeroParamType
+    ds_numel_aligned: int
+    ds_active_sub_modules: set[int]
+    ds_process_group: Any
+    ds_zero_partition_rank: int
+    ds_zero_partition_world_size: int
+    ds_secondary_tensor: torch.Tensor | None
 
     def partition_numel(self) -> int:
         return self.zs_state.partition_numel
@@ -199,7 +213,8 @@ def _flat_args(args: Any, kwargs: Any) -> list[Any]:
     return flat
 
 
-def is_zero_param(value: Any) -> bool:
+def is_zero_param(value: Any) -> TypeGuard[ZeroParameter]:
+    """Whether `value` is a ZeRO-3 parameter; a `TypeGuard`, so `value.zs_state` type-checks after it."""
     return isinstance(value, ZeroParameter)
 
 
@@ -212,7 +227,7 @@ def zero_state(param: torch.nn.Parameter) -> ZeroParamState:
 def attach_state(param: torch.nn.Parameter, state: ZeroParamState) -> ZeroParameter:
     """Make `param` a ZeRO-3 parameter carrying `state` (its class and ds_* attributes)."""
     param.__class__ = ZeroParameter
-    zparam: ZeroParameter = param  # type: ignore[assignment]
+    zparam = cast(ZeroParameter, param)
     zparam.zs_state = state
     _write_ds_attributes(zparam)
     return zparam

@@ -138,7 +138,7 @@ class Init:
         if self._original_init_subclass is None:
             del torch.nn.Module.__init_subclass__
         else:
-            torch.nn.Module.__init_subclass__ = self._original_init_subclass  # type: ignore[assignment]
+            torch.nn.Module.__init_subclass__ = self._original_init_subclass  # type: ignore[method-assign]
         for cls, original in self._patched.items():
             cls.__init__ = original  # type: ignore[misc]
         self._patched.clear()
