@@ -14,7 +14,8 @@ With `offload_param: nvme` the partition itself may live on disk (`zs_state.swap
 offload/param_swapper.py): `ds_tensor` is then empty and a gather reads the bytes.
 
 `set_status` is the only way to move between states and checks the transition is legal.
-Partition math (per parameter, padded on its own as DeepSpeed does, reference §5.1): with
+Partition math (per parameter, padded on its own as DeepSpeed's
+`deepspeed/runtime/zero/partition_parameters.py::Init._partition_param` does): with
 `W` ranks, `partition_numel = ceil(numel / W)`; rank r holds the flattened elements
 `[r * partition_numel, (r + 1) * partition_numel)`; the tail past `numel` (on the last ranks only)
 is padding, kept at zero here.

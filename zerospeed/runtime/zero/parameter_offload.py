@@ -1,4 +1,5 @@
-"""Module hooks that drive the coordinator (DeepSpeed's `DeepSpeedZeRoOffload`, reference §5.2).
+"""Module hooks that drive the coordinator (DeepSpeed's
+`deepspeed/runtime/zero/parameter_offload.py::DeepSpeedZeRoOffload`).
 
 [Note: hooks and autograd]
 Every module (z3-leaf modules as a whole, their children untouched) gets four hooks:

@@ -91,7 +91,7 @@ class GatherHandle:
         if self._output is None:
             return
         if self._work is not None:
-            self._work.wait()  # the only call made on the handle (gloo, peer-figures.md)
+            self._work.wait()  # the only call made on the handle: gloo's have no usable future
         world_size = self.params[0].zs_state.world_size
         rows = self._output.view(world_size, -1)
         offset = 0
