@@ -46,8 +46,13 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
         self._has_experts = self._reducer.has_experts
         self._reduce_in_backward = False
-        for index, param in enumerate(self._lp_params):
-            param.register_post_accumulate_grad_hook(self._grad_hook(index))
+        self._hook_handles = [param.register_post_accumulate_grad_hook(self._grad_hook(index))
+                              for index, param in enumerate(self._lp_params)]
+
+    def destroy(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     def _init_fp32_masters(self) -> list[torch.Tensor]:
         """Replace each trainable param in the optimizer's groups by an fp32 copy (its master)."""
