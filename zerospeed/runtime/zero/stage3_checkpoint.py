@@ -23,10 +23,10 @@ from zerospeed.runtime.optimizer_checkpointing import (CheckpointFiles, Checkpoi
                                                        frozen_param_records)
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.config import ZeroStageEnum
-from zerospeed.runtime.zero.offload_states import OffloadStates
+from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.param_state import ZeroParameter
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-from zerospeed.runtime.zero.partial_offload import load_device_state, merge_state_dicts, split_state_dict
+from zerospeed.runtime.zero.offload.partial_offload import load_device_state, merge_state_dicts, split_state_dict
 from zerospeed.version import __version__
 
 if TYPE_CHECKING:
