@@ -156,18 +156,15 @@ def loads_moe_optimizer_files(ctx: CheckpointContext) -> bool:
 
 def load_moe_optimizer(ctx: CheckpointContext, tag_dir: str, load: Any) -> None:
     """Replicated state: this rank's optimizer state is its expert-parallel rank's file, not rank 0's."""
+    from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
     from zerospeed.utils import groups
 
     path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
-    saved = load(path)["optimizer"]
-    if "optimizer_state_dict" in saved:   # low precision: DeepSpeed's unfused wrapper shape (deepspeed_format.py)
-        from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
-
-        ctx.optimizer.load_state_dict(stage0_wrapper_state(ctx, saved), load_optimizer_states=True)
-        return
-    base = _base_optimizer(ctx)
-    base.load_state_dict(saved)   # DeepSpeed's fp32 layout: the torch optimizer's
-    ctx.optimizer.refresh_fp32_params()
+    # DeepSpeed's fp32 layout (the torch optimizer's state dict) or the unfused low-precision one
+    state = stage0_wrapper_state(ctx, load(path)["optimizer"])
+    ctx.optimizer.load_state_dict(state, load_optimizer_states=True)
+    if "fp32_groups" not in state:   # no masters saved: re-derived from the loaded weights
+        ctx.optimizer.refresh_fp32_params()
 
 
 def stage0_optimizer_file_entry(ctx: CheckpointContext, wrapper_entry: Any) -> Any:
@@ -177,13 +174,4 @@ def stage0_optimizer_file_entry(ctx: CheckpointContext, wrapper_entry: Any) -> A
     replicated = ctx.optimizer.replicated_state(ctx.param_names)
     if wrapper_entry is None or replicated is None or replicated.fp32_masters:
         return wrapper_entry
-    return _base_optimizer(ctx).state_dict()
-
-
-def _base_optimizer(ctx: CheckpointContext) -> torch.optim.Optimizer:
-    """The torch optimizer inside the wrapper (`NoOptimizer`, the engine without one, has none)."""
-    from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer
-
-    if not isinstance(ctx.optimizer, DeepSpeedOptimizer):
-        raise ValueError("an MoE checkpoint's per-expert-parallel-rank optimizer file needs an optimizer to load into")
-    return ctx.optimizer.optimizer
+    return {"state": wrapper_entry["state"], "param_groups": wrapper_entry["param_groups"]}
