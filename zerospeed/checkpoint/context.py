@@ -25,7 +25,6 @@ class CheckpointContext:
     """The engine's wrapper, or `NoOptimizer` when it has none."""
     lr_scheduler: Any
     param_names: dict[torch.nn.Parameter, str]
-    dp_group: Any
     dp_rank: int
     dp_world_size: int
     """The data-parallel size of the batch (DeepSpeed's `dp_world_size`), recorded in the model file."""
@@ -34,8 +33,6 @@ class CheckpointContext:
     mp_world_size: int
     tensor_parallel: bool
     """AutoTP is on: the model file records how each parameter was sharded."""
-    bf16: bool
-    """Optim files of `bf16_` name are read first."""
     ds_config: dict[str, Any]
     num_experts: list[int]
     """Experts per MoE layer; empty without MoE layers."""

@@ -66,10 +66,10 @@ class EngineCheckpointing:
         """What `checkpoint/` reads of this engine, built here only ([Note: checkpoint contract])."""
         return CheckpointContext(
             module=self.module, optimizer=self.optimizer if self.optimizer is not None else NoOptimizer(),
-            lr_scheduler=self.lr_scheduler, param_names=self.param_names, dp_group=self.dp_group,
+            lr_scheduler=self.lr_scheduler, param_names=self.param_names,
             dp_rank=comm.get_rank(self.dp_group), dp_world_size=self.dp_world_size,
             mp_rank=self._checkpoint_mp_rank(), mp_world_size=getattr(self, "mp_world_size", 1),
-            tensor_parallel=getattr(self, "tensor_parallel", None) is not None, bf16=self.bfloat16_enabled(),
+            tensor_parallel=getattr(self, "tensor_parallel", None) is not None,
             ds_config=self._config._param_dict, num_experts=list(self.num_experts),
             global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
 
