@@ -3,7 +3,10 @@
 The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
 (layout.py), the model-states dict (model_states.py), the atomic write and the manifest
 (atomic.py, manifest.py, [Note: atomic save]) and the optimizer side with resharding
-(zero_checkpoint.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
+(zero_checkpoint.py, full_state_import.py). They read the run through one `CheckpointContext`
+(checkpoint/context.py) built by `_checkpoint_context`, and ask the optimizer, never the stage,
+which files this rank writes and how its state loads ([Note: checkpoint contract] in
+runtime/optimizer_checkpointing.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
