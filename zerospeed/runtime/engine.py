@@ -251,7 +251,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         assert self.optimizer is None or self.optimizer.supports_no_sync, \
-            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self.zero_optimization_stage()}"
+            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self._config.zero_optimization_stage}"
         assert not self._inside_no_sync, "no_sync context manager reentry is unsupported"
         self._inside_no_sync = True
         try:

@@ -42,8 +42,8 @@ def configure_basic_optimizer(config: Any, module: torch.nn.Module, client_optim
 
 
 def _offloads_optimizer(config: Any) -> bool:
-    offload = getattr(config.zero_config, "offload_optimizer", None)
-    return offload is not None and str(getattr(offload, "device", "none")).lower().endswith(("cpu", "nvme"))
+    offload = config.zero_config.offload_optimizer
+    return offload is not None and offload.enabled   # cpu or nvme: the CPU optimizer steps the masters
 
 
 def build_lr_scheduler(config: Any, optimizer: torch.optim.Optimizer | None, client_scheduler: Any) -> Any:
