@@ -17,6 +17,9 @@ __all__ = ["Experts"]
 class Experts(torch.nn.Module):
     """`num_local_experts` deep copies of `expert`; `forward` runs copy i on input[:, i] chunks."""
 
+    deepspeed_experts: torch.nn.ModuleList
+    num_local_experts: int
+
     def __init__(self, expert: torch.nn.Module, num_local_experts: int = 1,
                  expert_group_name: str | None = None) -> None:
         super().__init__()
