@@ -131,3 +131,51 @@ def test_expert_weights_load_at_another_expert_parallel_size(tmp_path: object) -
             assert torch.equal(result[name], value), name
     with pytest.raises(Exception, match="load_optimizer_states=False"):
         run_on_ranks(_load_at, 2, str(tmp_path), 1, True)
+
+
+def _bf16_save(save_root: str) -> dict:
+    """A bf16 run per stage (4 ranks, ep 2: each expert's masters split over 2 ranks at 1-3), saved; each
+    parameter's fp32 master (safe_get_full_fp32_param, expert ones over their expert-data-parallel group)
+    and bf16 weight, under global ids."""
+    from zerospeed.utils import groups, safe_get_full_fp32_param
+
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for stage in (0, 2, 3):
+        model = MoEModel(2, k=2, drop_tokens=True)
+        model.set_expert_weights(rank % 2)
+        config = {"train_micro_batch_size_per_gpu": MICRO, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+        engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+        for batch in _batches(world_size, 1)[:2]:
+            engine.backward(engine(*(t.bfloat16() for t in _shard(batch, 0, rank, world_size))))
+            engine.step()
+        engine.save_checkpoint(os.path.join(save_root, f"s{stage}"), tag="t")
+        ep_rank = groups._get_expert_parallel_rank(model.moe.expert_group_name)
+        masters, weights = {}, {}
+        for name, param in model.named_parameters():
+            if "deepspeed_experts." in name:
+                head, tail = name.split("deepspeed_experts.")
+                local, rest = tail.split(".", 1)
+                name = f"{head}deepspeed_experts.{ep_rank * 2 + int(local)}.{rest}"
+            masters[name] = safe_get_full_fp32_param(param).clone()
+            with zerospeed.zero.GatheredParameters([param]):
+                weights[name] = param.detach().float().clone()
+        out[stage] = {"masters": masters, "weights": weights}
+    return out
+
+
+def test_bf16_zero_to_fp32_reads_the_experts_fp32_masters(tmp_path: object) -> None:
+    """zero_to_fp32 of a bf16 MoE checkpoint gives every parameter, experts included, as the engine's fp32
+    master, bit for bit (not the bf16 module weights upcast), at stages 0, 2 and 3."""
+    results = run_on_ranks(_bf16_save, 4, str(tmp_path))
+    for stage in (0, 2, 3):
+        masters = {n: v for result in results for n, v in result[stage]["masters"].items()}
+        weights = {n: v for result in results for n, v in result[stage]["weights"].items()}
+        full = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"s{stage}"), tag="t")
+        assert set(full) == set(masters), stage
+        for name, value in masters.items():
+            assert full[name].dtype == torch.float32 and torch.equal(full[name], value), f"stage {stage} {name}"
+        expert = "moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight"
+        assert not torch.equal(masters[expert], weights[expert]), "bf16 weights must differ from the masters"

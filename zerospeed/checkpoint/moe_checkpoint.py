@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_optimizer_topology", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
+__all__ = ["check_optimizer_topology", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
 EP_SIZES_KEY = "zs_moe_ep_sizes"  # ours, in the model-states file: {expert group name: ep size} at save
+# ours too: {ep size: for each ep rank, the ranks holding its experts, in expert-data-parallel order}
+EXPERT_DATA_RANKS_KEY = "zs_moe_expert_data_ranks"
 
 
 def expert_file_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
@@ -94,6 +96,22 @@ def strip_expert_states(engine: Any, model_states: dict[str, Any], module_key: s
                                                       groups._get_expert_parallel_rank)
     model_states["num_experts"] = engine.num_experts
     model_states[EP_SIZES_KEY] = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
+    # every created size: the stage-0 `expp_rank` files follow the largest one's ranks
+    sizes = {int(name.rsplit("_", 1)[1]) for name in groups._get_expert_parallel_group_dict()}
+    model_states[EXPERT_DATA_RANKS_KEY] = {
+        size: expert_data_rank_lists(size, engine._config.use_data_before_expert_parallel_)
+        for size in sizes | set(model_states[EP_SIZES_KEY].values())}
+
+
+def expert_data_rank_lists(ep_size: int, data_before_expert: bool) -> list[list[int]]:
+    """For each expert-parallel rank, the ranks that hold its experts (its expert-data-parallel group)."""
+    from zerospeed import comm
+    from zerospeed.comm.topology import expert_rank_lists
+
+    world_size = comm.get_world_size()
+    ep_rank = {r: group.index(r) for group in expert_rank_lists(world_size, ep_size, 1, data_before_expert)[0]
+               for r in group}
+    return [[r for r in range(world_size) if ep_rank[r] == p] for p in range(ep_size)]
 
 
 def save_moe_files(engine: Any, transaction: Any, optimizer_entry: Any) -> None:
