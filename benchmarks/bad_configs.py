@@ -1,5 +1,7 @@
 """Bad ds_configs for benchmarks/reliability.py: each must be refused at `initialize` with an error
 that names the offending key (its leaf name at least; the dotted path is counted separately).
+`zero_optimization.sub_group_size: 0` is not among them: DeepSpeed allows it (one parameter per
+stage-3 sub-group) and so does zerospeed; -1 is.
 
     python benchmarks/bad_configs.py      # one line per case, then the totals
 """
@@ -29,7 +31,7 @@ CASES: list[tuple[str, Any]] = [
     ("zero_optimization.offload_optimizer.device", "gpu0"), ("zero_optimization.offload_param.device", "disk"),
     ("zero_optimization.offload_optimizer.pin_memory", "yes"),
     ("zero_optimization.stage3_param_persistence_threshold", -5),
-    ("zero_optimization.stage3_prefetch_bucket_size", "x"), ("zero_optimization.sub_group_size", 0),
+    ("zero_optimization.stage3_prefetch_bucket_size", "x"), ("zero_optimization.sub_group_size", -1),
     ("fp16.enabled", "true"), ("fp16.loss_scale", -1), ("fp16.initial_scale_power", "16"),
     ("fp16.loss_scale_window", 0), ("fp16.hysteresis", -1), ("fp16.min_loss_scale", -1),
     ("bf16.enabled", "yes"), ("gradient_clipping", -1.0), ("gradient_clipping", "1.0"),
@@ -53,7 +55,7 @@ def build(path: str, value: Any) -> dict[str, Any]:
         node.pop(leaf, None)
     else:
         node[leaf] = value
-    if path.startswith("zero_optimization.offload") or path.startswith("zero_optimization.stage3"):
+    if path.startswith(("zero_optimization.offload", "zero_optimization.stage3", "zero_optimization.sub_group")):
         config["zero_optimization"]["stage"] = 3
     return config
 

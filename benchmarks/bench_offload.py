@@ -103,7 +103,7 @@ def engine_throughput(path: str, mib: int, unit_mib: int) -> tuple[float, float]
     (the engine's queue depth applies back-pressure), one file, aligned staging buffers."""
     import torch
 
-    from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, aligned_empty
+    from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine, aligned_empty
 
     engine = AsyncIOEngine()   # the `aio` block's defaults
     unit_bytes = unit_mib * 2**20
@@ -130,7 +130,7 @@ def syscall_throughput(path: str, mib: int, unit_mib: int) -> tuple[float, float
     destination memory as `engine_throughput`: the ceiling the engine's own work is measured by."""
     import torch
 
-    from zerospeed.runtime.swap_tensor.aio_engine import aligned_empty
+    from zerospeed.runtime.zero.offload.aio_engine import aligned_empty
 
     memory = aligned_empty(max(1, mib // unit_mib) * unit_mib * 2**20, torch.uint8).fill_(7)
     view = memoryview(memory.numpy()).cast("B")

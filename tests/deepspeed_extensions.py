@@ -33,7 +33,37 @@ _prepare_lock = threading.Lock()  # side-by-side runs start from two threads at 
 _PREBUILD = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
              "ShareMemCommBuilder().load(verbose=False)\n")
 
-__all__ = ["EXTENSIONS_DIR", "clear_stale_locks", "deepspeed_env", "prepare_deepspeed_ops"]
+__all__ = ["EXTENSIONS_DIR", "clear_stale_locks", "deepspeed_env", "import_deepspeed", "prepare_deepspeed_ops",
+           "require_deepspeed"]
+
+
+def require_deepspeed() -> None:
+    """Skip (naming the package) when DeepSpeed is not installed on a developer machine; fail on CI.
+
+    CI (env CI set) installs deepspeed==0.19.8, so a missing DeepSpeed there is a broken setup,
+    never a reason to skip silently."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        return
+    message = (f"deepspeed=={DEEPSPEED_VERSION} is not importable; install it with "
+               f"`pip install --no-build-isolation deepspeed=={DEEPSPEED_VERSION}` (make test does)")
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message, allow_module_level=True)
+
+
+def import_deepspeed(module: str):  # noqa: ANN201 - a module of the optional reference package
+    """`deepspeed.<...>` for a side-by-side test. Only a missing DeepSpeed skips (`require_deepspeed`);
+    an installed DeepSpeed whose module fails to import fails the test (`pytest.importorskip` would
+    skip on any ImportError and hide it)."""
+    import importlib
+
+    require_deepspeed()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return importlib.import_module(module)
 
 
 def deepspeed_env() -> dict[str, str]:

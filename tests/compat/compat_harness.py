@@ -57,19 +57,10 @@ def deepspeed_available() -> bool:
 
 
 def require_deepspeed() -> None:
-    """Skip (with the reason) when DeepSpeed is missing on a developer machine; fail on CI.
+    """Skip when DeepSpeed is missing on a developer machine; fail on CI (deepspeed_extensions)."""
+    from deepspeed_extensions import require_deepspeed as require
 
-    CI (env CI set) installs deepspeed==0.19.8, so a missing DeepSpeed there is a broken setup,
-    never a reason to skip the suite silently."""
-    import pytest
-
-    if deepspeed_available():
-        return
-    message = (f"deepspeed=={DEEPSPEED_VERSION} is not importable; install it with "
-               f"`pip install --no-build-isolation deepspeed=={DEEPSPEED_VERSION}` (make test does)")
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    require()
 
 
 # --- the parent side ---------------------------------------------------------------------------

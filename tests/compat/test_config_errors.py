@@ -32,6 +32,8 @@ EXPECTED = {
     "unknown_nested": ("ValidationError", ("loads", None)),        # zerospeed warns and ignores
     "typo_nested": ("ValidationError", "ConfigError"),
     "triangle": ("AssertionError", "ConfigError"),
+    "stage_string": (("loads", 2), "ConfigError"),                 # DeepSpeed runs stage 2
+    "sub_group_size_zero": (("loads", 0), ("loads", 0)),           # valid: one param per sub-group
 }
 
 
@@ -58,5 +60,5 @@ def test_zerospeed_errors_name_the_key(outcomes):
                       ("fp16_enabled_yes", "fp16.enabled"), ("lr_string", "optimizer.params.lr"),
                       ("optimizer_without_type", "optimizer.type"), ("typo_top", "train_batch_sizes"),
                       ("overlap_comm_string", "zero_optimization.overlap_comm"),
-                      ("clipping_string", "gradient_clipping")):
+                      ("clipping_string", "gradient_clipping"), ("stage_string", "zero_optimization.stage")):
         assert f"{key}:" in ours[case]["message"], (case, ours[case])

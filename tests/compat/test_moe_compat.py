@@ -14,9 +14,11 @@ import os
 import pytest
 import torch
 
+from deepspeed_extensions import import_deepspeed
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-ds_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
-ds_layer = pytest.importorskip("deepspeed.moe.layer")
+ds_moe = import_deepspeed("deepspeed.moe.sharded_moe")
+ds_layer = import_deepspeed("deepspeed.moe.layer")
 
 from zerospeed.moe import sharded_moe as zs_moe  # noqa: E402
 from zerospeed.moe.layer import MoE  # noqa: E402

@@ -62,7 +62,7 @@ def test_pinned_memory_and_non_blocking_copies(cuda_accelerator):
 
 
 def test_host_gradient_sink_overlapped_copies_equal_plain_sums(cuda_accelerator):
-    from zerospeed.runtime.zero.host_grads import HostGradientSink
+    from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 
     sink = HostGradientSink(pin_memory=True, max_pending=2)
     assert sink.pin_memory
@@ -79,8 +79,8 @@ def test_host_gradient_sink_overlapped_copies_equal_plain_sums(cuda_accelerator)
 
 
 def test_param_swapper_reads_into_pinned_buffers(cuda_accelerator, tmp_path):
-    from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
-    from zerospeed.runtime.swap_tensor.param_swapper import ParamSwapper
+    from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
+    from zerospeed.runtime.zero.offload.param_swapper import ParamSwapper
 
     swapper = ParamSwapper(str(tmp_path / "swap"), AsyncIOEngine(), budget_numel=1 << 20, pin_memory=True)
     flat = torch.randn(1 << 16, dtype=torch.bfloat16)

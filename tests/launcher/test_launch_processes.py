@@ -136,7 +136,6 @@ def test_the_launcher_imports_no_training_code():
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_gpt.py")
 
 
-@pytest.mark.skipif(not os.path.exists(EXAMPLE), reason="examples/train_gpt.py is not there")
 def test_two_ranks_train_the_example(tmp_path):
     config = os.path.join(os.path.dirname(EXAMPLE), "configs", "zero2.json")
     out = subprocess.run(launcher_argv("--num_gpus", "2", EXAMPLE, "--deepspeed_config", config, "--steps", "3",

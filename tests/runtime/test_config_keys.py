@@ -104,6 +104,9 @@ def test_auto_is_accepted_everywhere_a_client_leaves_it():
     ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected a boolean (true/false), got the string 'yes'"),
     ({"zero_optimization": {"stage": 2, "overlap_comm": "true"}}, "zero_optimization.overlap_comm: expected a boolean"),
     ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, "zero_optimization.reduce_bucket_size: expected a number"),
+    # an IntEnum field: DeepSpeed 0.19.8 (pydantic's lax mode) silently runs stage 2
+    ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage: expected a number, got the string '2'"),
+    ({"zero_optimization": {"stage": 3, "sub_group_size": -1}}, "zero_optimization.sub_group_size"),
     ({"gradient_clipping": "1.0"}, "gradient_clipping: expected a number"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}, "optimizer.params.lr: expected a number"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, "optimizer.params.lr"),
@@ -142,3 +145,18 @@ def test_lenient_hjson_still_reads(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text('{\n  // comment\n  train_batch_size: 8,\n  "zero_optimization": {"stage": 2,},\n}\n')
     assert DeepSpeedConfig(str(path)).zero_optimization_stage == 2
+
+
+def test_zero_stage_given_as_a_number_still_reads():
+    assert DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 2}}).zero_optimization_stage == 2
+
+
+def test_sub_group_size_zero_is_one_parameter_per_sub_group_as_in_deepspeed():
+    """Not a bad config: DeepSpeed 0.19.8 allows 0 (`ge=0`) and its stage 3 then closes a sub-group
+    after every parameter (`local_sub_group_size >= 0`); zerospeed cuts the same way."""
+    from zerospeed.runtime.zero.sub_groups import plan_sub_groups
+
+    config = _config({"zero_optimization": {"stage": 3, "sub_group_size": 0}})
+    assert config.zero_config.sub_group_size == 0
+    assert plan_sub_groups([5, 0, 7], 0) == [[0], [1], [2]]
+    assert plan_sub_groups([5, 0, 7], 6) == [[0, 1, 2]]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import types
 import typing
+from enum import IntEnum
 from typing import Any
 
 from pydantic import BaseModel
@@ -131,6 +132,8 @@ def _scalar_types(annotation: Any) -> set[type] | None:
                 return None
             found |= inner
         return found or None
+    if isinstance(annotation, type) and issubclass(annotation, IntEnum):
+        return {int}  # ZeroStageEnum: pydantic would take "2" for stage 2 (DeepSpeed does)
     return {annotation} if annotation in _SCALARS else None
 
 

@@ -122,7 +122,7 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
         from zerospeed.runtime.data_parallel import DataParallelOptimizer
 
         return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size)
-    from zerospeed.runtime.zero.offload_states import build_offload_states
+    from zerospeed.runtime.zero.offload.offload_states import build_offload_states
 
     offload = build_offload_states(basic, config, dp_group, module, precision.param_dtype)  # checks host RAM
     if stage in (1, 2):

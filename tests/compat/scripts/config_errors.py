@@ -25,6 +25,8 @@ CASES = {
     "typo_top": {**BASE, "train_batch_sizes": 8},
     "unknown_nested": {**BASE, "zero_optimization": {"stage": 1, "brand_new_knob": 3}},
     "typo_nested": {**BASE, "zero_optimization": {"stage": 3, "stage3_prefech_bucket_size": 1}},
+    "stage_string": {**BASE, "zero_optimization": {"stage": "2"}},
+    "sub_group_size_zero": {**BASE, "zero_optimization": {"stage": 3, "sub_group_size": 0}},
     "triangle": {"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
 }
 
@@ -34,6 +36,10 @@ def _value(config, case: str):
         return int(config.zero_config.reduce_bucket_size)
     if case == "steps_per_print_inf":
         return str(config.steps_per_print)
+    if case == "stage_string":
+        return int(config.zero_optimization_stage)
+    if case == "sub_group_size_zero":
+        return int(config.zero_config.sub_group_size)
     if case == "overlap_comm_string":
         return bool(config.zero_config.overlap_comm)
     return None

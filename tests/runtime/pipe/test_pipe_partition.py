@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from deepspeed_extensions import require_deepspeed
+
 from zerospeed.pipe import LayerSpec
 from zerospeed.runtime.pipe.partition import partition_balanced, partition_uniform, partition_weights
 
@@ -49,7 +51,7 @@ print(json.dumps([[list(map(int, partition_balanced(w, p))), list(map(int, parti
 
 
 def test_boundaries_equal_deepspeed():
-    pytest.importorskip("deepspeed")
+    require_deepspeed()
     done = subprocess.run([sys.executable, "-c", _DEEPSPEED, json.dumps(CASES)], capture_output=True, text=True,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

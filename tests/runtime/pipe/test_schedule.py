@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from deepspeed_extensions import require_deepspeed
+
 from zerospeed.runtime.pipe.instructions import (BackwardPass, ForwardPass, LoadMicroBatch, RecvActivation,
                                                  SendActivation)
 from zerospeed.runtime.pipe.schedule import DataParallelSchedule, InferenceSchedule, TrainSchedule
@@ -139,7 +141,7 @@ json.dump(out, sys.stdout)
 
 
 def test_train_and_inference_schedules_equal_deepspeed_instruction_for_instruction():
-    pytest.importorskip("deepspeed")
+    require_deepspeed()
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run([sys.executable, "-c", _DEEPSPEED_DUMP], capture_output=True, text=True, env=env,
                           timeout=300)

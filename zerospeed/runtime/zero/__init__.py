@@ -1,5 +1,9 @@
-"""ZeRO stages 1-3 (docs/zero.md, docs/zero3.md). DeepSpeed exports the zero.Init family here too
-(`deepspeed.runtime.zero.Init`); they load on first access, as do the submodules."""
+"""ZeRO stages 1-3 (docs/zero.md, docs/zero3.md); offload in `offload/` (docs/offload.md).
+
+DeepSpeed exports the zero.Init family and the stage-3 hook holder here too
+(`deepspeed.runtime.zero.Init`, `deepspeed/runtime/zero/__init__.py`); they load on first access,
+as do the submodules.
+"""
 
 from typing import Any
 
@@ -7,6 +11,7 @@ _EXPORTS = {
     "Init": "partition_parameters", "GatheredParameters": "partition_parameters",
     "register_external_parameter": "partition_parameters", "unregister_external_parameter": "partition_parameters",
     "ZeroParamStatus": "param_state", "ZeroParamType": "param_state",
+    "DeepSpeedZeRoOffload": "parameter_offload",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from zerospeed.runtime.config_utils import DeepSpeedConfigModel, Deprecated, warn_config
-from zerospeed.runtime.zero.offload_config import (
+from zerospeed.runtime.zero.offload.config import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
     OffloadDeviceEnum,

@@ -46,7 +46,7 @@ import torch
 from zerospeed import comm
 from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
-from zerospeed.runtime.zero.host_grads import HostGradientSink
+from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
 __all__ = ["GradReducer", "GradientBuckets", "MAX_OUTSTANDING", "OwnedSlice", "reduce_flat_gradients"]

@@ -11,7 +11,7 @@ A ZeRO-3 parameter is in one of three states (DeepSpeed's names and values):
 - AVAILABLE: `param.data` holds the full tensor of shape `ds_shape`.
 
 With `offload_param: nvme` the partition itself may live on disk (`zs_state.swapped`, see
-swap_tensor/param_swapper.py): `ds_tensor` is then empty and a gather reads the bytes.
+offload/param_swapper.py): `ds_tensor` is then empty and a gather reads the bytes.
 
 `set_status` is the only way to move between states and checks the transition is legal.
 Partition math (per parameter, padded on its own as DeepSpeed does, reference §5.1): with

@@ -17,10 +17,10 @@ import torch
 
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.zero.config import ZeroStageEnum
-from zerospeed.runtime.zero.offload_states import OffloadStates
+from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.param_state import ZeroParameter
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-from zerospeed.runtime.zero.partial_offload import load_device_state, merge_state_dicts, split_state_dict
+from zerospeed.runtime.zero.offload.partial_offload import load_device_state, merge_state_dicts, split_state_dict
 from zerospeed.version import __version__
 
 __all__ = ["Stage3Checkpointing"]

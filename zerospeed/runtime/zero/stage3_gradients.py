@@ -50,7 +50,7 @@ import torch
 from zerospeed import comm
 from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
-from zerospeed.runtime.zero.host_grads import HostGradientSink
+from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
 
 __all__ = ["GradientSlot", "MAX_OUTSTANDING", "Stage3GradientReducer"]

@@ -56,8 +56,8 @@ from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
-from zerospeed.runtime.zero.host_grads import HostGradientSink
-from zerospeed.runtime.zero.offload_states import OffloadStates
+from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
+from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.partition import (
     GroupLayout,
     Slab,

@@ -3,7 +3,7 @@ sub-groups, and which of them `offload_optimizer` holds on the host (`ratio`).
 
 A sub-group is one flat fp32 master and one "param" of the optimizer; its index counts across
 param groups in order (sub-groups of group 0 first). Pure functions over partition sizes, so the
-wrapper (stage3.py) and the host-memory check (host_memory_check.py) agree without a process.
+wrapper (stage3.py) and the host-memory check (offload/host_memory_check.py) agree without a process.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from parity import global_batches, make_model, micro_batch
 
 import zerospeed
 from zerospeed.ops.adam import DeepSpeedCPUAdam
-from zerospeed.runtime.zero import host_grads
-from zerospeed.runtime.zero.host_grads import HostGradientSink
+from zerospeed.runtime.zero.offload import host_grads
+from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.param_state import rank_span
 
 WORLD_SIZE, MICRO, NUM_STEPS = 2, 2, 3

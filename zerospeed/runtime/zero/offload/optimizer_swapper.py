@@ -42,7 +42,7 @@ from concurrent.futures import Future
 
 import torch
 
-from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine, Transfer, aligned_bytes, aligned_empty
+from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine, Transfer, aligned_bytes, aligned_empty
 
 __all__ = ["OptimizerSwapper", "StagingBuffers"]
 

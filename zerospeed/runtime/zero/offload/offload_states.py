@@ -17,7 +17,7 @@ the unscale/clip multiplier (`step`). Everything between is here:
   copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
   accelerator the copies to and from the device go through pinned buffers on a side stream.
 - nvme: units live in `OptimizerSwapper` files, read ahead and written behind around the step
-  ([Note: read-ahead / write-behind] in swap_tensor/optimizer_swapper.py); the step sweeps them
+  ([Note: read-ahead / write-behind] in offload/optimizer_swapper.py); the step sweeps them
   in alternating directions so the staging buffers act as a cache ([Note: alternating sweep]).
   A new unit's file gets its master and zero states; with `fast_init` only the master is written
   and the states are a file hole that reads back as zeros, so no zeros are staged or written
@@ -41,8 +41,8 @@ import torch
 from zerospeed.accelerator import get_accelerator
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.runtime.grad_utils import scale_
-from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
-from zerospeed.runtime.swap_tensor.optimizer_swapper import OptimizerSwapper
+from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
+from zerospeed.runtime.zero.offload.optimizer_swapper import OptimizerSwapper
 
 __all__ = ["OffloadStates", "ResidentPartitions", "plan_units"]
 
@@ -84,7 +84,7 @@ def _stepping_only(optimizer: torch.optim.Optimizer, unit: _Unit) -> Iterator[No
 
 class ResidentPartitions:
     """How `OffloadStates` reaches the low-precision partitions when they are tensors in memory;
-    stage 3 with `offload_param: nvme` swaps in `SwappedFlatAccess` (swap_tensor/param_swapper.py)."""
+    stage 3 with `offload_param: nvme` swaps in `SwappedFlatAccess` (offload/param_swapper.py)."""
 
     def __init__(self, partitions: list[torch.Tensor]) -> None:
         self.partitions = partitions
@@ -223,7 +223,7 @@ class OffloadStates:
         the order they are stepped in does not change a bit. Under nvme, every other step walks
         them backwards: the units the last step left in the staging buffers are the first ones
         this step needs, and are not read again ([Note: staging buffers as a write-back cache]
-        in swap_tensor/optimizer_swapper.py)."""
+        in offload/optimizer_swapper.py)."""
         self._num_sweeps += 1
         order = list(range(len(self.units)))
         return order[::-1] if self.swapper is not None and self._num_sweeps % 2 == 0 else order
@@ -377,7 +377,7 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     """The host-memory check (always, when anything is offloaded), then the holder when the
     optimizer is offloaded; None without optimizer offload."""
     from zerospeed import comm
-    from zerospeed.runtime.zero.host_memory_check import (
+    from zerospeed.runtime.zero.offload.host_memory_check import (
         check_host_memory,
         local_ranks_from_env,
         offloaded_numel,

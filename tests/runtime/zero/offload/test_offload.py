@@ -173,7 +173,7 @@ def test_nvme_checkpoint_round_trip_is_exact(stage, tmp_path):
 
 
 def _too_big(stage):
-    from zerospeed.runtime.zero import host_memory_check
+    from zerospeed.runtime.zero.offload import host_memory_check
 
     real = host_memory_check.available_host_bytes
     host_memory_check.available_host_bytes = lambda: 1000   # pooled worker: restored below

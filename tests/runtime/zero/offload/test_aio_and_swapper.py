@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from zerospeed.runtime.swap_tensor.aio_engine import ALIGNMENT, AsyncIOEngine, aligned_bytes, aligned_empty
-from zerospeed.runtime.swap_tensor.optimizer_swapper import OptimizerSwapper, StagingBuffers
+from zerospeed.runtime.zero.offload.aio_engine import ALIGNMENT, AsyncIOEngine, aligned_bytes, aligned_empty
+from zerospeed.runtime.zero.offload.optimizer_swapper import OptimizerSwapper, StagingBuffers
 from zerospeed.utils.logging import logger
 
 

@@ -13,7 +13,7 @@ memory for the offloaded tensors (reference §13 counts the same things):
 - parameter offload `cpu` (stage 3): the parameter partition in its dtype.
 
 With `offload_optimizer.ratio < 1` (stage 3) the optimizer terms count only the offloaded
-sub-groups' elements (`offloaded_numel`, from sub_groups.py); the rest stays on the accelerator.
+sub-groups' elements (`offloaded_numel`, from ../sub_groups.py); the rest stays on the accelerator.
 
 Every rank of a node allocates its own share, so the node needs `local ranks x per rank`;
 `check_host_memory` compares that with psutil's available memory and raises `ValueError`.

@@ -22,8 +22,8 @@ from zerospeed.ops.adagrad import DeepSpeedCPUAdagrad
 from zerospeed.ops.adam import DeepSpeedCPUAdam
 from zerospeed.runtime.config_utils import ConfigWarning
 from zerospeed.runtime.zero.config import DeepSpeedZeroConfig
-from zerospeed.runtime.zero.host_memory_check import plan_host_bytes
-from zerospeed.runtime.zero.partial_offload import build_device_optimizer
+from zerospeed.runtime.zero.offload.host_memory_check import plan_host_bytes
+from zerospeed.runtime.zero.offload.partial_offload import build_device_optimizer
 from zerospeed.runtime.zero.sub_groups import num_sub_groups_on_device, offloaded_partition_numel
 
 SUB_GROUP, NUM_SUB_GROUPS, NUM_STEPS = 100, 5, 6

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 
 import torch
 
-from zerospeed.runtime.swap_tensor.aio_engine import AsyncIOEngine
+from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
 
 __all__ = ["ParamSwapper", "SwappedFlatAccess", "SwappedPartition"]
 

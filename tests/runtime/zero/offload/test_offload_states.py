@@ -10,9 +10,9 @@ import torch
 from zerospeed.ops.adam import DeepSpeedCPUAdam
 from zerospeed.runtime.config import AioConfig
 from zerospeed.runtime.zero.config import DeepSpeedZeroConfig
-from zerospeed.runtime.zero.host_memory_check import check_host_memory, plan_host_bytes
+from zerospeed.runtime.zero.offload.host_memory_check import check_host_memory, plan_host_bytes
 from zerospeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
-from zerospeed.runtime.zero.offload_states import OffloadStates, plan_units
+from zerospeed.runtime.zero.offload.offload_states import OffloadStates, plan_units
 
 NUMELS, UNIT, STEPS = (5000, 2100), 1024, 4
 
@@ -107,7 +107,7 @@ def test_host_memory_check_names_the_numbers():
 
 
 def test_swap_unit_numel_is_a_whole_stage3_sub_group_up_to_twice_sub_group_size():
-    from zerospeed.runtime.zero.host_memory_check import swap_unit_numel
+    from zerospeed.runtime.zero.offload.host_memory_check import swap_unit_numel
 
     groups = [{"params": [torch.zeros(n) for n in (600, 600, 900, 100)]},
               {"params": [torch.zeros(3000), torch.zeros(10, requires_grad=False)]}]

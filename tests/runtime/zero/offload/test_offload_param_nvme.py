@@ -114,6 +114,7 @@ def _resume(tmp_path):
         got = _train(resumed, batches[4:]), _params(resumed)
         outcomes.append(got[0] == expected[0] and all(torch.equal(got[1][k], v) for k, v in expected[1].items()))
         resumed.optimizer.close()
+    torch.distributed.barrier()  # the glob sees every rank's swap dir: wait until each rank has closed its own
     return outcomes, glob.glob(os.path.join(tmp_path, "[abc]", "zerospeed_offload", "*", "param", "*"))
 
 

@@ -1,0 +1,22 @@
+"""ZeRO-Offload: everything that holds training state in host memory or on NVMe (docs/offload.md).
+
+What lives where (one concept per module):
+
+- `config.py`            `offload_optimizer` / `offload_param` config models (imported by users as
+                         DeepSpeed's `deepspeed.runtime.zero.offload_config`, a thin re-export)
+- `host_memory_check.py` up-front host-RAM plan and check at `initialize` (pure arithmetic)
+- `offload_states.py`    `OffloadStates`: the host-side optimizer holder (fp32 masters and optimizer
+                         states in RAM or swap files, stepped unit by unit by the CPU optimizer)
+- `partial_offload.py`   `offload_optimizer.ratio < 1` at stage 3: the device optimizer of the
+                         sub-groups kept on the accelerator, and the checkpoint layout across both
+- `host_grads.py`        `HostGradientSink`: reduced gradient slices copied to host buffers during backward
+- `aio_engine.py`        `AsyncIOEngine`: tensor <-> file transfers on a thread pool (the `aio` block)
+- `optimizer_swapper.py` `OptimizerSwapper`: optimizer swap units on NVMe through bounded staging buffers
+- `param_swapper.py`     `ParamSwapper`: stage-3 parameter partitions on NVMe (`offload_param: nvme`)
+
+The ZeRO wrappers (`../stage_1_and_2.py`, `../stage3.py`) own these objects; nothing here imports
+a wrapper or the engine. Stage 3's sub-group plan, which partial offload and the memory check read,
+is `../sub_groups.py`. This package imports nothing itself, so importing the config stays cheap.
+"""
+
+__all__: list[str] = []
