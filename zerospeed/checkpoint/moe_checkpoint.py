@@ -154,6 +154,8 @@ def check_optimizer_topology(engine: Any, tag_dir: str, model_state: dict[str, A
     sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
     saved_world = model_state.get("dp_world_size", engine.dp_world_size)
     stage = engine.zero_optimization_stage()
+    if stage == 3 and os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")):
+        return   # stage 3 to stage 3 reshards by global expert id: [Note: MoE stage-3 reshard]
     if (saved_sizes is not None and saved_sizes != sizes) or (stage > 0 and saved_world != engine.dp_world_size):
         advice = ("at zero_optimization.stage=3 the weights are read from the ZeRO partitions too, so a stage-3 "
                   "MoE checkpoint loads on the same ranks and expert-parallel sizes only" if stage == 3 else

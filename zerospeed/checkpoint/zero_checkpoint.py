@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint import moe_reshard
 from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, export_zero3, export_zero12,
-                                             fragment_bounds)
+                                             fragment_bounds, merge_param_shapes)
 from zerospeed.checkpoint.deepspeed_format import stage0_for_deepspeed, stage0_from_deepspeed
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
@@ -129,7 +130,11 @@ def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOp
         verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
         return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])
     verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
-    return export_zero3(_each_optim_state(saved), model_state[C.PARAM_SHAPES], saved.dp_world_size)
+    naming = None
+    if model_state.get(moe_reshard.EP_SIZES_KEY):   # [Note: MoE stage-3 reshard]
+        names = list(merge_param_shapes(model_state[C.PARAM_SHAPES]))
+        naming = moe_reshard.saved_naming(model_state, names, saved.dp_world_size, saved.tag_dir)
+    return export_zero3(_each_optim_state(saved), model_state[C.PARAM_SHAPES], saved.dp_world_size, naming)
 
 
 def _each_optim_state(saved: SavedLayout) -> Iterator[dict[str, Any]]:
@@ -261,8 +266,8 @@ def _import_zero3(engine: Any, full: FullOptimizerState, load_optimizer_states: 
         scalars: dict[str, Any] = {}
         offset = 0
         for param in params:
-            name = engine.param_names[param]
-            start, real_numel = rank_span(param.ds_numel, engine.dp_world_size, dp_rank)
+            name, world, rank = moe_reshard.import_coords(engine, param, dp_rank)   # experts: [Note: MoE stage-3 reshard]
+            start, real_numel = rank_span(param.ds_numel, world, rank)
             flat.narrow(0, offset, real_numel).copy_(_require(full.fp32, name).reshape(-1).narrow(0, start, real_numel))
             for key, value in full.moments.get(name, {}).items():
                 moment = moments.setdefault(key, torch.zeros(flat.numel(), dtype=value.dtype))
