@@ -227,3 +227,10 @@ def test_stage3_moe_checkpoint_resumes_at_another_world_and_expert_parallel_size
             for name, value in loaded.items():
                 for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), value, expected[name]):
                     assert torch.equal(got, want), f"ep {ep_size}: {name} {what}"
+    run_on_ranks(_stage3_into_stage2, 4, str(tmp_path))   # no crossing between stage 3 and 0-2: a clear error
+
+
+def _stage3_into_stage2(save_dir: str) -> None:
+    engine, _ = _engine(2, 2)
+    with pytest.raises(ValueError, match="saved at zero_optimization.stage 3 and this run is at stage 2"):
+        engine.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)

@@ -13,7 +13,7 @@ expert-data-parallel rank is 0. The model-states file holds every other entry (g
 size: each rank reads the files of the experts it now holds (`expert_states_for_rank`). The
 optimizer files are per expert-parallel rank, so optimizer state needs the saved ep size. At ZeRO 3
 the expert files are written from weights each expert-data-parallel group gathers first, and the
-weights load from the ZeRO partitions, so such a checkpoint loads on its own topology only.
+weights load from the ZeRO partitions, resharded by global expert id ([Note: MoE stage-3 reshard]).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_optimizer_topology", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
+__all__ = ["check_optimizer_topology", "check_stage3_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
@@ -147,19 +147,28 @@ def merge_expert_states(engine: Any, tag_dir: str, module_state: dict[str, Any],
     return {**module_state, **expert_states_for_rank(engine.module, tag_dir, groups._get_expert_parallel_rank, load)}
 
 
+def check_stage3_crossing(engine: Any, tag_dir: str) -> None:
+    """MoE checkpoints do not move between stage 3 (experts partitioned in the optim files, local names
+    per saving rank) and stages 0-2, in either direction."""
+    saved_stage3 = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    stage = engine.zero_optimization_stage()
+    if saved_stage3 != (stage == 3):
+        raise ValueError(f"checkpoint {tag_dir} of an MoE model was saved at zero_optimization.stage "
+                         f"{'3' if saved_stage3 else '0-2'} and this run is at stage {stage}: MoE checkpoints "
+                         "load at stage 3 from stage 3 and at stages 0-2 from stages 0-2 only")
+
+
 def check_optimizer_topology(engine: Any, tag_dir: str, model_state: dict[str, Any]) -> None:
-    """Optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and, at ZeRO 1/2,
-    the data-parallel size) they were saved with; expert weights load at any."""
+    """At stages 0-2 optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and, at
+    ZeRO 1/2, the data-parallel size) they were saved with; expert weights load at any. Stage 3 reshards."""
     saved_sizes = model_state.get(EP_SIZES_KEY)
     sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
     saved_world = model_state.get("dp_world_size", engine.dp_world_size)
     stage = engine.zero_optimization_stage()
-    if stage == 3 and os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")):
-        return   # stage 3 to stage 3 reshards by global expert id: [Note: MoE stage-3 reshard]
+    if stage == 3:
+        return   # stage 3 (from stage 3: check_stage3_crossing) reshards by global expert id: [Note: MoE stage-3 reshard]
     if (saved_sizes is not None and saved_sizes != sizes) or (stage > 0 and saved_world != engine.dp_world_size):
-        advice = ("at zero_optimization.stage=3 the weights are read from the ZeRO partitions too, so a stage-3 "
-                  "MoE checkpoint loads on the same ranks and expert-parallel sizes only" if stage == 3 else
-                  "expert weights reshard, optimizer states of MoE models do not; load with "
+        advice = ("expert weights reshard, optimizer states of MoE models at stages 0-2 do not; load with "
                   "load_optimizer_states=False (or load_module_only=True)")
         raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
                          f"data-parallel ranks, this run has {sizes} on {engine.dp_world_size}: {advice}")

@@ -110,8 +110,8 @@ class EngineCheckpointing:
         if not verify_files(tag_dir, [os.path.basename(model_path)]):
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
-        if self.has_moe_layers and self.zero_optimization_stage() == 3:   # weights live in the optim files
-            moe_checkpoint.check_optimizer_topology(self, tag_dir, model_state)
+        if self.has_moe_layers:   # at stage 3 the weights live in the optim files
+            moe_checkpoint.check_stage3_crossing(self, tag_dir)
         saved = self._discover_for_tp(tag_dir, model_state, load_optimizer_states and not load_module_only)
         if self.has_moe_layers:  # [Note: MoE checkpoint layout]
             model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
