@@ -82,17 +82,21 @@ def check(path: str, value: Any) -> tuple[bool, bool, str]:
 def run_bad_configs() -> dict[str, Any]:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", ZS_ACCELERATOR="cpu")
     named = dotted = 0
-    misses = []
+    misses, leaf_only = [], []
     for path, value in CASES:
         leaf_named, path_named, message = check(path, value)
         named += leaf_named
         dotted += path_named
         if not leaf_named:
             misses.append(f"{path}={value!r}: {message}")
+        elif not path_named:
+            leaf_only.append(f"{path}={value!r}")
         print(f"config {path}={value!r}: {'named' if leaf_named else 'NOT NAMED'} -- {message}", flush=True)
-    return {"cases": len(CASES), "refused_naming_key": named, "naming_dotted_path": dotted, "misses": misses}
+    return {"cases": len(CASES), "refused_naming_key": named, "naming_dotted_path": dotted, "misses": misses,
+            "leaf_name_only": leaf_only}
 
 
 if __name__ == "__main__":
     result = run_bad_configs()
     print({k: v for k, v in result.items() if k != "misses"})
+    print("not refused naming the key:", result["misses"] or "none")

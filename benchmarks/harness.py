@@ -250,7 +250,7 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
         results.close()
         results.join_thread()  # flush the queue's feeder thread before os._exit
     dist.barrier()
-    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit; peer-figures.md)
+    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit; docs/testing.md)
 
 
 def run(spec: RunSpec) -> RunResult:

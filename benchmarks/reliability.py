@@ -34,18 +34,30 @@ for sub in ("tests", os.path.join("tests", "checkpoint"), os.path.join("tests", 
 os.environ.setdefault("ZS_ACCELERATOR", "cpu")
 
 
-def kills(trials_per_stage: int, stages: tuple[int, ...] = (1, 3), seed: int = 17) -> dict:
-    from crash_trials import golden_run, random_kill_trial
+def kills(trials_per_stage: int, stages: tuple[int, ...] = (1, 3), seed: int = 17, warm: bool = True) -> dict:
+    import torch
+    from crash_trials import golden_run, random_kill_trial, use_forkserver
+
 
     out: dict = {}
     for stage in stages:
         work = tempfile.mkdtemp(prefix=f"zs-kills-s{stage}-")
-        golden = golden_run(os.path.join(work, "golden"), stage, 2, 4)
+        modules = os.path.join(work, "modules.txt")
+        golden = golden_run(os.path.join(work, "golden"), stage, 2, 4, modules_out=modules)
+        if warm:  # ranks forked from a server that imported what a rank imports ([Note: warm ranks])
+            use_forkserver(modules)
+            # again, forked: the save windows the kills aim at are a warm rank's, and a forked rank
+            # must reproduce the new interpreters' run bit for bit
+            cold, golden = golden, golden_run(os.path.join(work, "golden_warm"), stage, 2, 4)
+            assert all(torch.equal(cold.states[step][name], value) for step, state in golden.states.items()
+                       for name, value in state.items()), "forked ranks differ from new interpreters"
         rng = random.Random(seed + stage)
         landed = survived = mid_save = survived_mid_save = 0
         lost: list[str] = []
         save_dir = os.path.join(work, "ckpt")
+        started = time.monotonic()
         for trial in range(trials_per_stage):
+            trial_start = time.monotonic()
             result = random_kill_trial(save_dir, golden, "a,a,b", rng)
             landed += result.killed
             mid_save += result.mid_save
@@ -59,11 +71,14 @@ def kills(trials_per_stage: int, stages: tuple[int, ...] = (1, 3), seed: int = 1
             elif result.killed:
                 survived += 1
             print(f"stage {stage} trial {trial}: killed={result.killed} mid_save={result.mid_save} step={result.step} "
-                  f"done={result.done} {'LOST ' + result.error[:200] if result.error else 'ok'}", flush=True)
+                  f"done={result.done} {time.monotonic() - trial_start:.1f}s (start-up {result.startup_s:.1f}s, "
+                  f"check {result.check_s:.1f}s) "
+                  f"{'LOST ' + result.error[:200] if result.error else 'ok'}", flush=True)
         out[f"stage{stage}"] = {"trials": trials_per_stage, "kills_landed": landed, "survived": survived,
                                 "kills_mid_save": mid_save, "survived_mid_save": survived_mid_save,
                                 "lost": len(lost), "lost_errors": lost[:5],
-                                "seconds_per_step": round(golden.seconds_per_step, 3)}
+                                "seconds_per_step": round(golden.seconds_per_step, 3),
+                                "seconds_per_trial": round((time.monotonic() - started) / max(1, trials_per_stage), 2)}
         shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -194,13 +209,18 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=30, help="random-kill trials per stage (stages 1 and 3)")
     parser.add_argument("--stages", default="1,3", help="ZeRO stages of the kill trials")
     parser.add_argument("--seed", type=int, default=17, help="of the kill moments (run several seeds in parallel)")
+    parser.add_argument("--cold", action="store_true",
+                        help="start every kill trial's ranks as new interpreters (slower; the CI tests' way)")
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = {}
     for name in args.only.split(","):
         start = time.monotonic()
-        results[name] = kills(args.kills, tuple(int(s) for s in args.stages.split(",")), args.seed) if name == "kills" else SECTIONS[name]()
+        if name == "kills":
+            results[name] = kills(args.kills, tuple(int(s) for s in args.stages.split(",")), args.seed, not args.cold)
+        else:
+            results[name] = SECTIONS[name]()
         results[name]["section_wall_s"] = round(time.monotonic() - start, 1)
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     if args.json:

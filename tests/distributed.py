@@ -43,7 +43,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks: Any, results
             break
         fn, args, kwargs = task
         results.put((rank, *_run_task(fn, args, kwargs)))
-    # Skip destroy_process_group: with gloo it intermittently aborts at exit (peer-figures.md).
+    # Skip destroy_process_group: with gloo it intermittently aborts at exit (docs/testing.md).
     os._exit(0)
 
 

@@ -13,7 +13,8 @@ Side files, written by rank 0 next to the save directory:
     <save_dir>.timing     `start <s>` before and `end <s>` after each save of this run, in seconds
                           from the marker (a kill mid-save leaves a `start` last)
 ZS_TEST_CRASH_AT=<point>[@rank] with ZS_TEST_CRASH_STEP=<N> arms the named crash hook
-(ZEROSPEED_CHECKPOINT_CRASH_AT) for the save of step N only.
+(ZEROSPEED_CHECKPOINT_CRASH_AT) for the save of step N only. ZS_CRASH_MODULES_OUT=<file>: rank 0
+writes the names of the modules it imported there when it finishes (crash_warm.py reads them).
 """
 
 import os
@@ -79,6 +80,10 @@ def main() -> None:
             with open(f"{save_dir}.timing", "a") as timing:
                 timing.write(f"end {time.monotonic() - marked:.4f}\n")
     print(f"rank {rank} done at step {engine.global_steps}", flush=True)
+    modules_out = os.environ.get("ZS_CRASH_MODULES_OUT")
+    if modules_out and rank == 0:  # what a rank imports, for the warm fork server (crash_warm.py)
+        with open(modules_out, "w") as handle:
+            handle.write("\n".join(sorted(sys.modules)))
     os._exit(0)  # skip gloo's teardown (it can abort at exit)
 
 

@@ -222,5 +222,5 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os._exit(1)
     sys.stdout.flush()
-    # Skip destroy_process_group: with gloo it intermittently aborts at exit (peer-figures.md).
+    # Skip destroy_process_group: with gloo it intermittently aborts at exit (docs/testing.md).
     os._exit(0)

@@ -3,7 +3,7 @@
 set_train_batch_size / set_train_micro_batch_size, set_gradient_accumulation_boundary,
 backward(retain_graph=, scale_wrt_gas=), step(lr_kwargs=), no_sync, deepspeed_io with
 dataloader_drop_last, save_checkpoint(save_latest=, exclude_frozen_parameters=), save_fp16_model,
-bf16.check_grad_overflow, load_from_fp32_weights, stage3_model_persistence_threshold,
+bf16.check_grad_overflow, stage3_model_persistence_threshold,
 load_checkpoint(load_module_only=, load_optimizer_states=, load_lr_scheduler_states=,
 load_module_strict=, custom_load_fn=) and checkpoint.tag_validation: every result equals
 DeepSpeed's except the differences listed in docs/compatibility.md, which are asserted here.
@@ -27,10 +27,9 @@ def results(tmp_path_factory):
 
 # bf16_overflow_check: an infinite loss skips the step with bf16.check_grad_overflow and leaves
 # non-finite weights without it, in both. model_persistence: the same parameters kept whole under
-# each stage3_model_persistence_threshold. fp32_weights_on_load: the same weights one step after a
-# bf16 stage-2 load either way (in both libraries the two settings give the same result here).
+# each stage3_model_persistence_threshold. (load_from_fp32_weights: test_config_keys_compat.py.)
 SAME = ["batch_sizes", "accumulation_boundary", "step_lr_kwargs", "data_loader", "load_strictness",
-        "frozen_and_16bit", "bf16_overflow_check", "fp32_weights_on_load", "model_persistence"]
+        "frozen_and_16bit", "bf16_overflow_check", "model_persistence"]
 
 
 @pytest.mark.parametrize("check", SAME)

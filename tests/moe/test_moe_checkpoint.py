@@ -232,5 +232,5 @@ def test_stage3_moe_checkpoint_resumes_at_another_world_and_expert_parallel_size
 
 def _stage3_into_stage2(save_dir: str) -> None:
     engine, _ = _engine(2, 2)
-    with pytest.raises(ValueError, match="saved at zero_optimization.stage 3 and this run is at stage 2"):
+    with pytest.raises(ValueError, match="saved at zero_optimization.stage 3 and this run is at stage 0-2"):
         engine.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)

@@ -1,4 +1,4 @@
-"""The batch triangle (reference §2.2): every derivation row and DeepSpeed's failure messages."""
+"""The batch triangle (`deepspeed/runtime/config.py::DeepSpeedConfig._configure_train_batch_size`): every derivation row and DeepSpeed's failure messages."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def _config(extra: dict, **kwargs) -> DeepSpeedConfig:
 
 
 # ------------------------------------------------------------------------------------------
-# defaults (reference §2.5-2.15)
+# defaults (DeepSpeed 0.19.8's, `deepspeed/runtime/config.py::DeepSpeedConfig`)
 
 
 def test_top_level_defaults():

@@ -1,4 +1,4 @@
-"""DeepSpeed's checkpoint key names (reference §7.2-7.3), so our files read like DeepSpeed's."""
+"""DeepSpeed's checkpoint key names (`deepspeed/checkpoint/constants.py`), so our files read like DeepSpeed's."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ PARAM_SLICE_MAPPINGS = "param_slice_mappings"
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
 LOSS_SCALER = "loss_scaler"
 
-# client_state = every top-level key of the model file except these (reference §3.8)
+# client_state = every top-level key of the model file except these
+# (`deepspeed/runtime/engine.py::DeepSpeedEngine._load_checkpoint`)
 CLIENT_STATE_EXCLUDED_KEYS = frozenset({
     MODULE, SPARSE_TENSOR_MODULE_NAMES, SKIPPED_STEPS, GLOBAL_STEPS, DP_WORLD_SIZE, MP_WORLD_SIZE,
     DATA_SAMPLER, RANDOM_LTD,

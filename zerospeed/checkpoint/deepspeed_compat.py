@@ -1,6 +1,7 @@
 """DeepSpeed's pickled checkpoint classes: read without DeepSpeed, and written under its names.
 
-DeepSpeed's optim files pickle four of its classes (reference §7.3): the loss scaler (static or
+DeepSpeed's optim files pickle four of its classes (`deepspeed/runtime/zero/stage_1_and_2.py::
+DeepSpeedZeroOptimizer.state_dict`): the loss scaler (static or
 dynamic), `ZeroStageEnum` and the stage 1/2 `fragment_address`; its loaders use them as objects
 (`loss_scaler.scale_loss(...)`), so a plain dict in their place breaks DeepSpeed's resume.
 

@@ -6,7 +6,7 @@ Resharding goes through one representation: for every trainable parameter its fu
 (`moments[name][key]`, e.g. exp_avg, exp_avg_sq) and its scalar state (`scalars[name][key]`,
 e.g. step), plus the hyperparameters of each param group. Exporters read saved files of any
 stage and data-parallel size into it; importers cut from it the state dict the *current*
-wrapper's `load_state_dict` expects (see zero_checkpoint.py). A tensor state counts as
+wrapper's `load_state_dict` expects (full_state_import.py). A tensor state counts as
 per-element when it has as many elements as the partition (stage 1/2), the sub-group flat
 (stage 3) or the parameter (stage 0). At stage 3 a parameter of `numel` elements is cut into
 ceil(numel / W) elements per rank, at the same offset of every rank's sub-group flat; the last

@@ -1,4 +1,5 @@
-"""File names inside a checkpoint directory, per ZeRO stage (reference §7.1).
+"""File names inside a checkpoint directory, per ZeRO stage (DeepSpeed's
+`deepspeed/runtime/engine.py::DeepSpeedEngine._get_ckpt_name`, `_get_zero_ckpt_name`).
 
     <save_dir>/latest                       the tag, no trailing newline
     <save_dir>/zero_to_fp32.py              the standalone merger

@@ -1,4 +1,4 @@
-"""The model-states file (reference §7.2), built from an engine, in plain types only.
+"""The model-states file (reference §7.2), built from a `CheckpointContext`, in plain types only.
 
 Beyond DeepSpeed: frozen parameters are kept at stage 1 too (DeepSpeed drops them there), and the
 stage-0 file carries `param_shapes` and the optimizer's param names so it can be resharded and
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION
 from zerospeed.checkpoint.zero_checkpoint import stage0_optimizer_entry
 
@@ -40,56 +41,46 @@ def shared_param_names(module: torch.nn.Module) -> dict[str, str]:
     return shared
 
 
-def _param_shapes(engine: Any) -> list[OrderedDict[str, torch.Size]]:
-    return [OrderedDict(group) for group in engine.optimizer.param_shapes(engine.param_names)]
-
-
-def _frozen(engine: Any) -> tuple[OrderedDict[str, torch.Size], dict[str, torch.Tensor]]:
-    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
-    return (OrderedDict((n, getattr(p, "ds_shape", p.shape)) for n, p in frozen),
-            {n: getattr(p, "ds_tensor", p).detach().cpu() for n, p in frozen})
-
-
-def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
-    state = engine.module.state_dict()
+def _module_state(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    state = module.state_dict()
     if exclude_frozen:
-        for name, param in engine.module.named_parameters():
+        for name, param in module.named_parameters():
             if not param.requires_grad:
                 state.pop(name, None)
     return state
 
 
-def build_model_states(engine: Any, client_state: dict[str, Any], exclude_frozen: bool) -> dict[str, Any]:
+def build_model_states(ctx: CheckpointContext, client_state: dict[str, Any], exclude_frozen: bool) -> dict[str, Any]:
     for key in client_state:
         if key in C.RESERVED_CLIENT_KEYS:
             raise KeyError(f"client_state key {key!r} is reserved by the checkpoint format")
-    stage = engine.zero_optimization_stage()
-    frozen_shapes, frozen_fragments = (None, None) if exclude_frozen or stage == 0 else _frozen(engine)
-    optimizer = engine.optimizer
+    frozen = None if exclude_frozen else ctx.optimizer.frozen_param_records(ctx.module)
+    frozen_shapes, frozen_fragments = frozen if frozen is not None else (None, None)
+    shapes = ctx.optimizer.param_shapes(ctx.param_names)
     state: dict[str, Any] = {
-        C.MODULE: _module_state(engine, exclude_frozen),
-        C.BUFFER_NAMES: persistent_buffer_names(engine.module),
-        C.OPTIMIZER: stage0_optimizer_entry(engine) if stage == 0 and optimizer is not None else None,
-        C.PARAM_SHAPES: _param_shapes(engine) if optimizer is not None else None,
+        C.MODULE: _module_state(ctx.module, exclude_frozen),
+        C.BUFFER_NAMES: persistent_buffer_names(ctx.module),
+        C.OPTIMIZER: stage0_optimizer_entry(ctx),
+        C.PARAM_SHAPES: None if shapes is None else [OrderedDict(group) for group in shapes],
         C.FROZEN_PARAM_SHAPES: frozen_shapes,
         C.FROZEN_PARAM_FRAGMENTS: frozen_fragments,
-        C.SHARED_PARAMS: shared_param_names(engine.module),
-        C.LR_SCHEDULER: engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        C.SHARED_PARAMS: shared_param_names(ctx.module),
+        C.LR_SCHEDULER: ctx.lr_scheduler.state_dict() if ctx.lr_scheduler is not None else None,
         C.DATA_SAMPLER: None,
         C.RANDOM_LTD: None,
-        C.SKIPPED_STEPS: engine.skipped_steps,
-        C.GLOBAL_STEPS: engine.global_steps,
-        C.GLOBAL_SAMPLES: engine.global_samples,
-        C.DP_WORLD_SIZE: engine.dp_world_size,
-        C.MP_WORLD_SIZE: getattr(engine, "mp_world_size", 1),   # the tp size under AutoTP
-        C.CHECKPOINT_PARALLEL_DIMENSIONS: {"pp_degree": 1, "tp_degree": getattr(engine, "mp_world_size", 1)},
-        C.DS_CONFIG: engine._config._param_dict,
+        C.SKIPPED_STEPS: ctx.skipped_steps,
+        C.GLOBAL_STEPS: ctx.global_steps,
+        C.GLOBAL_SAMPLES: ctx.global_samples,
+        C.DP_WORLD_SIZE: ctx.dp_world_size,
+        C.MP_WORLD_SIZE: ctx.mp_world_size,   # the tp size under AutoTP
+        C.CHECKPOINT_PARALLEL_DIMENSIONS: {"pp_degree": 1, "tp_degree": ctx.mp_world_size},
+        C.DS_CONFIG: ctx.ds_config,
         C.DS_VERSION: DEEPSPEED_FORMAT_VERSION,   # the format we follow; zerospeed's version: manifest
     }
-    if getattr(engine, "tensor_parallel", None) is not None:   # [Note: AutoTP checkpoint layout]
+    if ctx.tensor_parallel:   # [Note: AutoTP checkpoint layout]
         from zerospeed.runtime.tensor_parallel.checkpoint import TP_SHARDS_KEY, shard_record
 
-        state[TP_SHARDS_KEY] = shard_record(engine.module)
+        state[TP_SHARDS_KEY] = shard_record(ctx.module)
     state.update(client_state)
     return state
 

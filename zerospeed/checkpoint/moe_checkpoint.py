@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_optimizer_topology", "check_stage3_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "merge_expert_states", "moe_modules",
+from zerospeed.checkpoint.context import CheckpointContext
+
+__all__ = ["check_optimizer_topology", "check_stage3_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "loads_moe_optimizer_files", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
@@ -88,19 +90,19 @@ def saved_expert_files(tag_dir: str) -> list[str]:
 
 # --- what the engine's save / load call (engine_checkpointing.py) ----------------------------
 
-def strip_expert_states(engine: Any, model_states: dict[str, Any], module_key: str) -> None:
+def strip_expert_states(ctx: CheckpointContext, model_states: dict[str, Any], module_key: str) -> None:
     """The model-states file keeps non-expert entries only, plus DeepSpeed's `num_experts` and our ep sizes."""
     from zerospeed.utils import groups
 
-    model_states[module_key], _ = split_expert_states(engine.module, model_states[module_key],
+    model_states[module_key], _ = split_expert_states(ctx.module, model_states[module_key],
                                                       groups._get_expert_parallel_rank)
-    model_states["num_experts"] = engine.num_experts
-    model_states[EP_SIZES_KEY] = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
+    model_states["num_experts"] = ctx.num_experts
+    model_states[EP_SIZES_KEY] = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(ctx.module)}
     # every created size: the stage-0 `expp_rank` files follow the largest one's ranks
     sizes = {int(name.rsplit("_", 1)[1]) for name in groups._get_expert_parallel_group_dict()}
-    model_states[EXPERT_DATA_RANKS_KEY] = {
-        size: expert_data_rank_lists(size, engine._config.use_data_before_expert_parallel_)
-        for size in sizes | set(model_states[EP_SIZES_KEY].values())}
+    data_before = bool(ctx.ds_config.get("use_data_before_expert_parallelism", False))
+    model_states[EXPERT_DATA_RANKS_KEY] = {size: expert_data_rank_lists(size, data_before)
+                                           for size in sizes | set(model_states[EP_SIZES_KEY].values())}
 
 
 def expert_data_rank_lists(ep_size: int, data_before_expert: bool) -> list[list[int]]:
@@ -114,13 +116,12 @@ def expert_data_rank_lists(ep_size: int, data_before_expert: bool) -> list[list[
     return [[r for r in range(world_size) if ep_rank[r] == p] for p in range(ep_size)]
 
 
-def save_moe_files(engine: Any, transaction: Any, optimizer_entry: Any) -> None:
-    """Expert files (by expert-data-parallel rank 0 of each group) and, at stage 0, the per-ep-rank
-    optimizer file ([Note: MoE checkpoint layout])."""
+def save_moe_files(ctx: CheckpointContext, transaction: Any, optimizer_entry: Any) -> None:
+    """Expert files (by expert-data-parallel rank 0 of each group) and, where the optimizer state is
+    replicated (stage 0), the per-ep-rank optimizer file ([Note: MoE checkpoint layout])."""
     from zerospeed.utils import groups
 
-    _, files = split_expert_states(engine.module, _full_expert_state(engine), groups._get_expert_parallel_rank)
-    for file_name, (group_name, entries) in files.items():
+    for file_name, (group_name, entries) in _expert_files(ctx).items():
         if groups._get_expert_data_parallel_rank(group_name) == 0:
             transaction.write(file_name, entries)
     largest = groups._get_max_expert_size_name()
@@ -128,70 +129,77 @@ def save_moe_files(engine: Any, transaction: Any, optimizer_entry: Any) -> None:
         transaction.write(optim_file_name(groups._get_expert_parallel_rank(largest)), {"optimizer": optimizer_entry})
 
 
-def _full_expert_state(engine: Any) -> dict[str, Any]:
-    """The module state dict with full expert weights: at stage 3 each expert-data-parallel group
-    gathers its experts first ([Note: MoE at stage 3]; every rank calls this, each in its group)."""
-    if engine.zero_optimization_stage() < 3:
-        return engine.module.state_dict()
-    from zerospeed.runtime.zero.partition_parameters import GatheredParameters
+def _expert_files(ctx: CheckpointContext) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each expert's entries with full weights: where they are partitioned (ZeRO-3) each
+    expert-data-parallel group gathers its experts first ([Note: MoE at stage 3]; every rank calls
+    this, each in its group). The entries are copied while gathered."""
+    from zerospeed.utils import groups
 
-    experts = [p for _, moe in moe_modules(engine.module) for p in moe.deepspeed_moe.experts.parameters()]
-    with GatheredParameters(experts):
-        return {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
+    experts = [p for _, moe in moe_modules(ctx.module) for p in moe.deepspeed_moe.experts.parameters()]
+    with ctx.optimizer.gathered_parameters(experts):
+        _, files = split_expert_states(ctx.module, ctx.module.state_dict(), groups._get_expert_parallel_rank)
+    return files
 
 
-def merge_expert_states(engine: Any, tag_dir: str, module_state: dict[str, Any], load: Any) -> dict[str, Any]:
+def merge_expert_states(ctx: CheckpointContext, tag_dir: str, module_state: dict[str, Any],
+                        load: Any) -> dict[str, Any]:
     """`module_state` (from the model-states file) plus this rank's experts from their files."""
     from zerospeed.utils import groups
 
-    return {**module_state, **expert_states_for_rank(engine.module, tag_dir, groups._get_expert_parallel_rank, load)}
+    return {**module_state, **expert_states_for_rank(ctx.module, tag_dir, groups._get_expert_parallel_rank, load)}
 
 
-def check_stage3_crossing(engine: Any, tag_dir: str) -> None:
+def check_stage3_crossing(ctx: CheckpointContext, tag_dir: str) -> None:
     """MoE checkpoints do not move between stage 3 (experts partitioned in the optim files, local names
     per saving rank) and stages 0-2, in either direction."""
     saved_stage3 = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
-    stage = engine.zero_optimization_stage()
-    if saved_stage3 != (stage == 3):
+    stage3 = bool(ctx.optimizer.weights_in_optimizer_files)
+    if saved_stage3 != stage3:
         raise ValueError(f"checkpoint {tag_dir} of an MoE model was saved at zero_optimization.stage "
-                         f"{'3' if saved_stage3 else '0-2'} and this run is at stage {stage}: MoE checkpoints "
-                         "load at stage 3 from stage 3 and at stages 0-2 from stages 0-2 only")
+                         f"{'3' if saved_stage3 else '0-2'} and this run is at stage {'3' if stage3 else '0-2'}: "
+                         "MoE checkpoints load at stage 3 from stage 3 and at stages 0-2 from stages 0-2 only")
 
 
-def check_optimizer_topology(engine: Any, tag_dir: str, model_state: dict[str, Any]) -> None:
-    """At stages 0-2 optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and, at
-    ZeRO 1/2, the data-parallel size) they were saved with; expert weights load at any. Stage 3 reshards."""
+def check_optimizer_topology(ctx: CheckpointContext, tag_dir: str, model_state: dict[str, Any]) -> None:
+    """At stages 0-2 optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and,
+    where the state is partitioned over data-parallel ranks, the data-parallel size) they were saved
+    with; expert weights load at any. Stage 3 reshards ([Note: MoE stage-3 reshard])."""
+    if ctx.optimizer.weights_in_optimizer_files:
+        return
     saved_sizes = model_state.get(EP_SIZES_KEY)
-    sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(engine.module)}
-    saved_world = model_state.get("dp_world_size", engine.dp_world_size)
-    stage = engine.zero_optimization_stage()
-    if stage == 3:
-        return   # stage 3 (from stage 3: check_stage3_crossing) reshards by global expert id: [Note: MoE stage-3 reshard]
-    if (saved_sizes is not None and saved_sizes != sizes) or (stage > 0 and saved_world != engine.dp_world_size):
+    sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(ctx.module)}
+    saved_world = model_state.get("dp_world_size", ctx.dp_world_size)
+    partitioned = ctx.optimizer.checkpoint_files(ctx.dp_rank, ctx.mp_rank).optim_states is not None
+    if (saved_sizes is not None and saved_sizes != sizes) or (partitioned and saved_world != ctx.dp_world_size):
         advice = ("expert weights reshard, optimizer states of MoE models at stages 0-2 do not; load with "
                   "load_optimizer_states=False (or load_module_only=True)")
         raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
-                         f"data-parallel ranks, this run has {sizes} on {engine.dp_world_size}: {advice}")
+                         f"data-parallel ranks, this run has {sizes} on {ctx.dp_world_size}: {advice}")
 
 
-def load_moe_optimizer(engine: Any, tag_dir: str, load: Any) -> None:
-    """Stage 0: this rank's optimizer state is its expert-parallel rank's file, not rank 0's."""
+def loads_moe_optimizer_files(ctx: CheckpointContext) -> bool:
+    """Whether this run's optimizer state is in the per-ep-rank files (replicated state: stage 0)."""
+    return ctx.optimizer.checkpoint_files(ctx.dp_rank, ctx.mp_rank).optim_states is None
+
+
+def load_moe_optimizer(ctx: CheckpointContext, tag_dir: str, load: Any) -> None:
+    """Replicated state: this rank's optimizer state is its expert-parallel rank's file, not rank 0's."""
+    from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
     from zerospeed.utils import groups
 
     path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
-    saved = load(path)["optimizer"]
-    if "optimizer_state_dict" in saved:   # low precision: DeepSpeed's unfused wrapper shape (deepspeed_format.py)
-        from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
-
-        engine.optimizer.load_state_dict(stage0_wrapper_state(engine, saved), load_optimizer_states=True)
-        return
-    engine.optimizer.optimizer.load_state_dict(saved)   # DeepSpeed's fp32 layout: the torch optimizer's
-    engine.optimizer.refresh_fp32_params()
+    # DeepSpeed's fp32 layout (the torch optimizer's state dict) or the unfused low-precision one
+    state = stage0_wrapper_state(ctx, load(path)["optimizer"])
+    ctx.optimizer.load_state_dict(state, load_optimizer_states=True)
+    if "fp32_groups" not in state:   # no masters saved: re-derived from the loaded weights
+        ctx.optimizer.refresh_fp32_params()
 
 
-def stage0_optimizer_file_entry(engine: Any, wrapper_entry: Any) -> Any:
-    """What the stage-0 `expp_rank` file holds: in fp32 the torch optimizer's state dict, as DeepSpeed
-    writes it (its bare optimizer), so each library loads the other's; in fp16/bf16 our wrapper's."""
-    if engine.optimizer.precision.low_precision:
+def stage0_optimizer_file_entry(ctx: CheckpointContext, wrapper_entry: Any) -> Any:
+    """What the replicated-state `expp_rank` file holds: in fp32 the torch optimizer's state dict, as
+    DeepSpeed writes it (its bare optimizer), so each library loads the other's; in fp16/bf16 our
+    wrapper's."""
+    replicated = ctx.optimizer.replicated_state(ctx.param_names)
+    if wrapper_entry is None or replicated is None or replicated.fp32_masters:
         return wrapper_entry
-    return engine.optimizer.optimizer.state_dict()
+    return {"state": wrapper_entry["state"], "param_groups": wrapper_entry["param_groups"]}

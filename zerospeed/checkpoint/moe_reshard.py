@@ -73,17 +73,18 @@ def saved_naming(model_state: dict[str, Any], names: list[str], world_size: int,
                        rename=lambda rank, name: _to_global(name, ep_rank_of[rank], per_layer))
 
 
-def import_coords(engine: Any, param: torch.nn.Parameter, dp_rank: int) -> tuple[str, int, int]:
-    """(name in the full state, ranks sharing the parameter, this rank's index among them)."""
+def import_coords(param: torch.nn.Parameter, name: str, world_size: int, dp_rank: int) -> tuple[str, int, int]:
+    """(name in the full state, ranks sharing the parameter, this rank's index among them): an expert
+    parameter (marked by `Experts`) is renamed by global id and partitioned over its expert-data-parallel group."""
     from zerospeed import comm
     from zerospeed.moe.utils import is_moe_param
     from zerospeed.utils import groups
 
-    name = engine.param_names[param]
-    if not (is_moe_param(param) and _EXPERT_KEY in name):
-        return name, engine.dp_world_size, dp_rank
-    group = groups._get_expert_data_parallel_group(param.group_name)  # type: ignore[attr-defined]
+    local_experts = getattr(param, "zs_num_local_experts", None)
+    if not (is_moe_param(param) and _EXPERT_KEY in name and local_experts is not None):
+        return name, world_size, dp_rank
+    group_name = param.group_name  # type: ignore[attr-defined]
+    group = groups._get_expert_data_parallel_group(group_name)
+    ep_rank = groups._get_expert_parallel_rank(group_name)
     prefix = name.split(_EXPERT_KEY, 1)[0]
-    layer = engine.module.get_submodule(prefix) if prefix else engine.module
-    ep_rank = groups._get_expert_parallel_rank(param.group_name)  # type: ignore[attr-defined]
-    return _to_global(name, ep_rank, {prefix: layer.num_local_experts}), comm.get_world_size(group), comm.get_rank(group)
+    return _to_global(name, ep_rank, {prefix: local_experts}), comm.get_world_size(group), comm.get_rank(group)

@@ -1,7 +1,7 @@
 """`zerospeed` (DeepSpeed's `deepspeed` command): resolve resources, then launch one node or many.
 
 ``zerospeed [options] script [script args]``. The flags are DeepSpeed's runner flags
-(``deepspeed-reference.md`` §8.1). Resources come from the hostfile (default ``/job/hostfile``;
+(``deepspeed/launcher/runner.py::parse_args``). Resources come from the hostfile (default ``/job/hostfile``;
 when it is missing, this machine only: ``--num_gpus`` processes, or one per CUDA device, or one
 on CPU), filtered by ``--include`` / ``--exclude`` / ``--num_nodes`` / ``--num_gpus``.
 

@@ -157,7 +157,7 @@ def supervise(ranks: list[RankProcess], stop: threading.Event, stop_signal: list
         for rank in ranks:
             rank.release_held()
         summary = watch.check(ranks) if watch is not None else None
-        if summary is not None:
+        if summary is not None and watch is not None:   # a summary comes only from a watch
             return _end_hung_job(ranks, watch, summary, channel, kill_grace_s)
         stop.wait(0.1)
 

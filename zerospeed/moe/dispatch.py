@@ -26,7 +26,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single whose backward is the same exchange of the gradients, in reverse."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, input: torch.Tensor, log_name: str | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, group: Any, input: torch.Tensor, log_name: str | None) -> torch.Tensor:
         ctx.group, ctx.log_name = group, log_name
         input = input.contiguous()
         output = torch.empty_like(input)
@@ -34,7 +34,7 @@ class _AllToAll(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[None, torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[None, torch.Tensor, None]:
         name = None if ctx.log_name is None else f"{ctx.log_name}.backward"
         return None, _AllToAll.apply(ctx.group, *grad_output, name), None
 

@@ -29,6 +29,7 @@ class Experts(torch.nn.Module):
             for param in local_expert.parameters():
                 param.allreduce = False
                 param.group_name = expert_group_name
+                param.zs_num_local_experts = num_local_experts   # ours: global ids on a checkpoint reshard
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """[ep_size, num_local_experts, C, d] -> the same shape, expert i applied to [:, i]."""

@@ -94,7 +94,7 @@ def split_params_into_different_moe_groups_for_optimizer(
         for param in group["params"]:
             if is_moe_param(param) and param.group_name not in expert_group_names:
                 expert_group_names.append(param.group_name)
-    expert_groups = []
+    expert_groups: list[dict[str, Any]] = []
     for group in groups:
         params = list(group["params"])
         group["params"] = [p for p in params if not is_moe_param(p)]

@@ -1,4 +1,4 @@
-"""CSV backend, in DeepSpeed's layout (reference §11.2).
+"""CSV backend, in DeepSpeed's layout (`deepspeed/monitor/csv_monitor.py::csvMonitor.write_events`).
 
 One file per tag under `<output_path>/<job_name>/`, named after the tag with `/` and spaces
 replaced by `_` (`Train/Samples/lr` -> `Train_Samples_lr.csv`). A new file starts with the header

@@ -16,8 +16,11 @@ drives `param_groups`, which are the base optimizer's.
 [Note: stage dispatch]
 The engine and `checkpoint/` never ask which stage they run: what differs between stages is a
 method here that each wrapper answers (`trainable_param_groups`, `param_shapes`,
-`saves_16bit_model`, `module_state_dict_16bit`, `supports_no_sync`, `refresh_fp32_params`, the state dicts). The
-factory (optimizer_factory.py) is the one place that branches on the stage.
+`saves_16bit_model`, `module_state_dict_16bit`, `consolidated_16bit_state_dict`,
+`supports_no_sync`, `refresh_fp32_params`, `destroy`, the state dicts) or one of the checkpoint
+half of the contract ([Note: checkpoint contract] in optimizer_checkpointing.py: the files a rank
+writes, their layout, where the weights live, the resharded load). The factory
+(optimizer_factory.py) is the one place that branches on the stage.
 tests/runtime/test_optimizer_contract.py runs every wrapper through this contract.
 
 [Note: one step]
@@ -48,9 +51,13 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, unscale_and_clip_factor
+from zerospeed.runtime.optimizer_checkpointing import OptimizerCheckpointing
 from zerospeed.runtime.precision import PrecisionSettings
 
-__all__ = ["DeepSpeedOptimizer", "StepGradients", "optimizer_state_tensors", "tensor_bytes"]
+__all__ = ["NOT_PARTITIONED", "DeepSpeedOptimizer", "StepGradients", "optimizer_state_tensors", "tensor_bytes"]
+
+NOT_PARTITIONED = ("consolidated_16bit_state_dict is only applicable where weights are partitioned "
+                   "(ZeRO stage 3, or tensor parallelism under AutoTP)")
 
 
 @dataclasses.dataclass
@@ -72,7 +79,7 @@ class StepGradients:
         return self.group is not None
 
 
-class DeepSpeedOptimizer(abc.ABC):
+class DeepSpeedOptimizer(OptimizerCheckpointing):
     """Base of every zerospeed optimizer wrapper (DeepSpeed's name, so `isinstance` checks port)."""
 
     optimizer: torch.optim.Optimizer
@@ -220,15 +227,15 @@ class DeepSpeedOptimizer(abc.ABC):
                     state.pop(name, None)
         return state
 
-    @abc.abstractmethod
-    def refresh_fp32_params(self) -> None:
-        """Re-derive the fp32 masters from the (just loaded) low-precision weights."""
+    def consolidated_16bit_state_dict(self, module: torch.nn.Module,
+                                      exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The engine's `_consolidated_16bit_state_dict`: where weights are partitioned, the gathered
+        full state dict (rank 0; None elsewhere); elsewhere DeepSpeed raises, and so do we."""
+        raise ValueError(NOT_PARTITIONED)
 
-    @abc.abstractmethod
-    def state_dict(self) -> dict[str, Any]: ...
-
-    @abc.abstractmethod
-    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None: ...
+    def destroy(self) -> None:
+        """Remove the hooks this wrapper put on the module's parameters and release what it holds
+        outside Python's reach (swap files), so that the model can be wrapped again."""
 
     @abc.abstractmethod
     def memory_breakdown(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ On the boundary micro-batch the hooks also start the bucketed all-reduce while b
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,11 @@ from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients,
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
 from zerospeed.runtime.grad_utils import any_non_finite, scale_
+from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout, ReplicatedState
 from zerospeed.runtime.precision import PrecisionSettings
+
+if TYPE_CHECKING:
+    from zerospeed.checkpoint.full_state import FullOptimizerState
 
 
 def trainable_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -42,8 +46,13 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
         self._has_experts = self._reducer.has_experts
         self._reduce_in_backward = False
-        for index, param in enumerate(self._lp_params):
-            param.register_post_accumulate_grad_hook(self._grad_hook(index))
+        self._hook_handles = [param.register_post_accumulate_grad_hook(self._grad_hook(index))
+                              for index, param in enumerate(self._lp_params)]
+
+    def destroy(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     def _init_fp32_masters(self) -> list[torch.Tensor]:
         """Replace each trainable param in the optimizer's groups by an fp32 copy (its master)."""
@@ -176,6 +185,32 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
                 for master, saved in zip(self._masters, state_dict["fp32_groups"]):
                     master.copy_(saved)
             self._copy_masters_to_params()
+
+    # --- checkpoints ([Note: checkpoint contract]): replicated state, in the model-states file ------
+    def checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout(zero_stage=0, partitions=1)
+
+    def replicated_state(self, param_names: dict[torch.nn.Parameter, str]) -> ReplicatedState:
+        """The base optimizer's groups hold one tensor per model parameter: the trainable ones' masters
+        (the params themselves in fp32) and the frozen params, each named by its model parameter."""
+        name_of = {id(master): param_names[param] for param, master in self.params_and_masters()}
+        name_of.update({id(p): n for p, n in param_names.items()})
+        groups = [list(g["params"]) for g in self.optimizer.param_groups]
+        return ReplicatedState(params=groups, names=[[name_of[id(p)] for p in g] for g in groups],
+                               trainable=[[p.requires_grad for p in g] for g in groups],
+                               fp32_masters=self.precision.low_precision, clip_grad=self.clip_grad)
+
+    def model_file_optimizer_state(self, param_names: dict[torch.nn.Parameter, str]) -> dict[str, Any]:
+        state = self.state_dict()
+        replicated = self.replicated_state(param_names)
+        state["param_names"], state["trainable"] = replicated.names, replicated.trainable
+        return state
+
+    def load_full_state(self, full: FullOptimizerState, param_names: dict[torch.nn.Parameter, str],
+                        load_optimizer_states: bool) -> None:
+        from zerospeed.checkpoint.full_state_import import import_stage0
+
+        import_stage0(self, full, param_names, load_optimizer_states)
 
     def refresh_fp32_params(self) -> None:
         """Re-derive the fp32 masters from the (just loaded) low-precision module weights."""

@@ -172,7 +172,8 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
             self.monitoring.start_flops_profile(self)
         self.monitoring.start("fwd")
         if self._config.fp16_enabled and self._config.fp16.auto_cast:
-            inputs, kwargs = cast_inputs(inputs, kwargs, torch.float16)
+            # only with fp16 on: DeepSpeed casts even when fp16 is off, which breaks an fp32 model
+            inputs = cast_inputs(inputs, torch.float16)
         output = self.module(*inputs, **kwargs)
         self.monitoring.stop("fwd")
         if profiling:
@@ -250,7 +251,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         assert self.optimizer is None or self.optimizer.supports_no_sync, \
-            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self.zero_optimization_stage()}"
+            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self._config.zero_optimization_stage}"
         assert not self._inside_no_sync, "no_sync context manager reentry is unsupported"
         self._inside_no_sync = True
         try:

@@ -29,10 +29,10 @@ class EngineAccessors:
         return self._config.zero_optimization_stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
+        return self._config.zero_optimization_stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() >= 3
+        return self._config.zero_optimization_stage >= 3
 
     def fp16_enabled(self) -> bool:
         return self._config.fp16_enabled

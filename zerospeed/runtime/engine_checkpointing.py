@@ -3,7 +3,10 @@
 The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
 (layout.py), the model-states dict (model_states.py), the atomic write and the manifest
 (atomic.py, manifest.py, [Note: atomic save]) and the optimizer side with resharding
-(zero_checkpoint.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
+(zero_checkpoint.py, full_state_import.py). They read the run through one `CheckpointContext`
+(checkpoint/context.py) built by `_checkpoint_context`, and ask the optimizer, never the stage,
+which files this rank writes and how its state loads ([Note: checkpoint contract] in
+runtime/optimizer_checkpointing.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
+from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
-from zerospeed.checkpoint.layout import (LATEST, ZERO_TO_FP32, default_tag, find_model_files, model_states_name,
-                                         optim_states_name)
+from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, find_model_files, model_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
+from zerospeed.runtime.optimizer_checkpointing import NoOptimizer
 from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
+from zerospeed.runtime.zero.param_state import is_zero_param
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -41,25 +46,35 @@ class EngineCheckpointing:
             raise ValueError("save_checkpoint: save_dir must be a non-empty path")
         tag = default_tag(self.global_steps) if tag is None else str(tag)
         self._validate_tag(tag)
-        stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
-        mp_rank = self._checkpoint_mp_rank()   # [Note: AutoTP checkpoint layout]
+        ctx = self._checkpoint_context()
+        files = ctx.optimizer.checkpoint_files(ctx.dp_rank, ctx.mp_rank)   # [Note: checkpoint contract]
         transaction = CheckpointTransaction(save_dir, tag, self._checkpoint_group()).begin()
-        if stage >= 3 or dp_rank == 0:
-            model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
-            if self.has_moe_layers:
-                moe_checkpoint.strip_expert_states(self, model_states, C.MODULE)
-            transaction.write(model_states_name(stage, dp_rank, mp_rank), to_plain(model_states))
-        if self.has_moe_layers:
-            optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(self, stage0_optimizer_entry(self)) \
-                if stage == 0 and self.optimizer is not None else None
-            moe_checkpoint.save_moe_files(self, transaction, to_plain(optimizer_entry))
-        if stage >= 1:
-            transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled(), mp_rank), {
-                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
-                C.DS_CONFIG: self._config._param_dict,
+        if files.model_states is not None:
+            model_states = build_model_states(ctx, dict(client_state), exclude_frozen_parameters)
+            if ctx.has_moe_layers:
+                moe_checkpoint.strip_expert_states(ctx, model_states, C.MODULE)
+            transaction.write(files.model_states, to_plain(model_states))
+        if ctx.has_moe_layers:
+            optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(ctx, stage0_optimizer_entry(ctx))
+            moe_checkpoint.save_moe_files(ctx, transaction, to_plain(optimizer_entry))
+        if files.optim_states is not None:
+            transaction.write(files.optim_states, {
+                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(ctx.optimizer.state_dict())),
+                C.DS_CONFIG: ctx.ds_config,
                 C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
         return True
+
+    def _checkpoint_context(self) -> CheckpointContext:
+        """What `checkpoint/` reads of this engine, built here only ([Note: checkpoint contract])."""
+        return CheckpointContext(
+            module=self.module, optimizer=self.optimizer if self.optimizer is not None else NoOptimizer(),
+            lr_scheduler=self.lr_scheduler, param_names=self.param_names,
+            dp_rank=comm.get_rank(self.dp_group), dp_world_size=self.dp_world_size,
+            mp_rank=self._checkpoint_mp_rank(), mp_world_size=getattr(self, "mp_world_size", 1),
+            tensor_parallel=getattr(self, "tensor_parallel", None) is not None,
+            ds_config=self._config._param_dict, num_experts=list(self.num_experts),
+            global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
 
     def _checkpoint_mp_rank(self) -> int:
         """The tp rank under AutoTP (DeepSpeed's mp rank in file names), else 0."""
@@ -110,28 +125,33 @@ class EngineCheckpointing:
         if not verify_files(tag_dir, [os.path.basename(model_path)]):
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
-        if self.has_moe_layers:   # at stage 3 the weights live in the optim files
-            moe_checkpoint.check_stage3_crossing(self, tag_dir)
+        ctx = self._checkpoint_context()
+        if ctx.has_moe_layers:   # at stage 3 the weights live in the optim files
+            moe_checkpoint.check_stage3_crossing(ctx, tag_dir)
         saved = self._discover_for_tp(tag_dir, model_state, load_optimizer_states and not load_module_only)
-        if self.has_moe_layers:  # [Note: MoE checkpoint layout]
-            model_state[C.MODULE] = moe_checkpoint.merge_expert_states(self, tag_dir, model_state[C.MODULE], load_file)
+        if ctx.has_moe_layers:  # [Note: MoE checkpoint layout]
+            model_state[C.MODULE] = moe_checkpoint.merge_expert_states(ctx, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)
         loaded_optimizer = loaded_scheduler = False
         if load_module_only:
-            load_optimizer_state(self, saved, model_state, load_optimizer_states=False)
+            load_optimizer_state(ctx, saved, model_state, load_optimizer_states=False)
         else:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
             if self.optimizer is not None:
-                if self.has_moe_layers and load_optimizer_states:
-                    moe_checkpoint.check_optimizer_topology(self, tag_dir, model_state)
-                if self.has_moe_layers and load_optimizer_states and self.zero_optimization_stage() == 0:
-                    moe_checkpoint.load_moe_optimizer(self, tag_dir, load_file)
-                else:
-                    load_optimizer_state(self, saved, model_state, load_optimizer_states)
+                self._load_optimizer(ctx, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self._checkpoint_group())
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
+
+    def _load_optimizer(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any],
+                        load_optimizer_states: bool) -> None:
+        if ctx.has_moe_layers and load_optimizer_states:
+            moe_checkpoint.check_optimizer_topology(ctx, tag_dir=saved.tag_dir, model_state=model_state)
+            if moe_checkpoint.loads_moe_optimizer_files(ctx):
+                moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, load_file)
+                return
+        load_optimizer_state(ctx, saved, model_state, load_optimizer_states)
 
     def _discover_for_tp(self, tag_dir: str, model_state: dict[str, Any], wants_optimizer: bool) -> SavedLayout:
         """The saved layout for this tp rank; the module state resharded when the tp size changed
@@ -192,7 +212,7 @@ def _partitioned_names(module: torch.nn.Module, saved: dict[str, Any]) -> set[st
     names = set()
     for name, tensor in saved.items():
         mine = own.get(name)
-        if mine is not None and ((mine.numel() == 0 and hasattr(mine, "ds_numel"))
+        if mine is not None and ((mine.numel() == 0 and is_zero_param(mine))
                                  or (tensor.numel() == 0 and mine.numel() != 0)):
             names.add(name)
     return names

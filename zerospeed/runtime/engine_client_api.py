@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.runtime.base_optimizer import NOT_PARTITIONED, DeepSpeedOptimizer
+
 __all__ = ["EngineClientAPI"]
 
 
@@ -20,7 +22,7 @@ class EngineClientAPI:
 
     _config: Any
     module: torch.nn.Module
-    optimizer: Any
+    optimizer: DeepSpeedOptimizer | None
     _is_compiled: bool = False
 
     def _link_fragment_owner(self) -> None:
@@ -35,29 +37,15 @@ class EngineClientAPI:
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The full 16-bit state dict where weights are partitioned (stage 3); DeepSpeed raises otherwise."""
-        if self.zero_optimization_partition_weights():  # type: ignore[attr-defined]
-            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)  # type: ignore[attr-defined]
-        raise ValueError("consolidated_16bit_state_dict is only applicable where weights are partitioned "
-                         "(ZeRO stage 3; zerospeed has no tensor parallelism)")
+        if self.optimizer is None:
+            raise ValueError(NOT_PARTITIONED)
+        return self.optimizer.consolidated_16bit_state_dict(self.module, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Remove the hooks this engine put on the model and its parameters, so that the model can be
         wrapped by a new engine (accelerate calls this before re-preparing a model)."""
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is None:
-            return
-        if hasattr(optimizer, "destroy"):
-            optimizer.destroy()
-            return
-        if hasattr(optimizer, "remove_hooks"):  # stage 1/2 gradient hooks
-            optimizer.remove_hooks()
-        for handle in getattr(optimizer, "_hooks", []):  # stage 3 gradient hooks
-            handle.remove()
-        offload = getattr(optimizer, "parameter_offload", None)
-        if offload is not None:
-            offload.remove_hooks()
-        if hasattr(optimizer, "close"):
-            optimizer.close()
+        if self.optimizer is not None:
+            self.optimizer.destroy()
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:

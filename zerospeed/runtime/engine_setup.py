@@ -42,8 +42,8 @@ def configure_basic_optimizer(config: Any, module: torch.nn.Module, client_optim
 
 
 def _offloads_optimizer(config: Any) -> bool:
-    offload = getattr(config.zero_config, "offload_optimizer", None)
-    return offload is not None and str(getattr(offload, "device", "none")).lower().endswith(("cpu", "nvme"))
+    offload = config.zero_config.offload_optimizer
+    return offload is not None and offload.enabled   # cpu or nvme: the CPU optimizer steps the masters
 
 
 def build_lr_scheduler(config: Any, optimizer: torch.optim.Optimizer | None, client_scheduler: Any) -> Any:
@@ -58,8 +58,10 @@ def build_lr_scheduler(config: Any, optimizer: torch.optim.Optimizer | None, cli
     return build_named(config.scheduler_name, config.scheduler_params or {}, optimizer)
 
 
-def cast_inputs(inputs: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """fp16.auto_cast: floating-point inputs (recursing into lists, tuples, dicts) to `dtype`."""
+def cast_inputs(inputs: tuple, dtype: torch.dtype) -> tuple:
+    """fp16.auto_cast: floating-point positional inputs (recursing into lists, tuples, dicts) to
+    `dtype`. Keyword arguments are left as they are, as DeepSpeed leaves them (its forward casts
+    `inputs` only), so a model called with `**batch` sees the same dtypes under either library."""
 
     def cast(value: Any) -> Any:
         if torch.is_tensor(value) and value.is_floating_point():
@@ -70,4 +72,4 @@ def cast_inputs(inputs: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple,
             return {k: cast(v) for k, v in value.items()}
         return value
 
-    return cast(inputs), cast(kwargs)
+    return cast(inputs)

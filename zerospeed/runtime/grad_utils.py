@@ -95,7 +95,8 @@ def global_norm(tensors: Iterable[torch.Tensor], group: Any = None, partitioned:
 def unscale_and_clip_factor(scaled_norm: float, loss_scale: float, clip_grad: float) -> float:
     """The number every gradient is divided by: the loss scale, times the clip ratio when clipping.
 
-    `scaled_norm` is the norm of the still-scaled gradients; DeepSpeed's formula (reference §4.3).
+    `scaled_norm` is the norm of the still-scaled gradients; DeepSpeed's formula
+    (`deepspeed/runtime/zero/stage_1_and_2.py::DeepSpeedZeroOptimizer.unscale_and_clip_grads`).
     """
     combined = loss_scale
     if clip_grad > 0:

@@ -5,7 +5,8 @@ and writes ``lr`` into every param group; the state is ``{'last_batch_iteration'
 scalar parameter applies to every group, a list gives one value per group. They work on
 anything with ``param_groups``: a torch optimizer or a ZeRO wrapper exposing them.
 
-Formulas (``it`` = last_batch_iteration, ``N`` = warmup steps, clamped to >= 2; reference §2.4):
+Formulas (``it`` = last_batch_iteration, ``N`` = warmup steps, clamped to >= 2; DeepSpeed's
+`deepspeed/runtime/lr_schedules.py::WarmupLR.get_lr`, `WarmupDecayLR`, `WarmupCosineLR.get_lr`, `OneCycle`, `LRRangeTest`):
 
 * warmup ramp ``w(it)`` = ``log(it+1)/log(N)`` ("log") or ``it/N`` ("linear") for ``it < N``, else 1;
 * WarmupLR: ``lr = min + (max - min) * w(it)``;

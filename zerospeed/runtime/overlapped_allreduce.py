@@ -11,7 +11,7 @@ the rest, with zeros for parameters that got no gradient on this rank, waits, an
 Because bucket membership and launch order are fixed, every rank issues the same collectives in
 the same order even when ranks use different parameters (MoE experts, data-dependent branches):
 a bucket waiting on a parameter this rank did not use simply launches at `finish()`. Only
-`wait()` is called on a handle: gloo's async handles have no usable futures (peer-figures.md).
+`wait()` is called on a handle: gloo's async handles have no usable futures.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The precision and gradient-reduction settings every optimizer wrapper receives, resolved once.
 
-Derived from the config by the engine (reference §2.5-2.7, §3.9, §6.4): the model dtype, the
+Derived from the config by the engine (the `fp16`, `bf16`, `data_types` and `communication_data_type`
+keys of `deepspeed/runtime/config.py::DeepSpeedConfig`, docs/config.md): the model dtype, the
 dtype gradients accumulate in (`data_types.grad_accum_dtype`, default the model dtype), the dtype
 they are reduced in (`communication_data_type`, default the model dtype), clipping, the overflow
 check and the averaging rules.
@@ -50,7 +51,8 @@ class PrecisionSettings:
 
 
 def averaging_factors(settings: PrecisionSettings, world_size: int) -> tuple[float, float]:
-    """(before, after) multipliers around a sum reduction under DeepSpeed's averaging rules (§3.9).
+    """(before, after) multipliers around a sum reduction under DeepSpeed's averaging rules
+    (`deepspeed/runtime/engine.py::DeepSpeedEngine.allreduce_bucket`).
 
     Postscale (default): 1/f before, f/W after (f = gradient_predivide_factor); prescale: 1/W
     before; `gradient_average=False`: a plain sum. Split in two so an asynchronous reduction can

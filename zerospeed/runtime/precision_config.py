@@ -1,7 +1,7 @@
 """The ``fp16`` and ``bf16`` (alias ``bfloat16``) ds_config sections.
 
 fp16 ``loss_scale == 0`` means dynamic loss scaling; `DeepSpeedFP16Config.dynamic_loss_scale_args`
-is the dict the loss scaler is built from (reference §6.1). Loss-scaling knobs written into the
+is the dict the loss scaler is built from (`deepspeed/runtime/fp16/loss_scaler.py::CreateLossScaler`). Loss-scaling knobs written into the
 ``bf16`` block (a common copy-paste from an fp16 config, which DeepSpeed rejects) are accepted
 with a warning and ignored: bf16 never scales the loss.
 """
@@ -68,7 +68,7 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
 
     @property
     def dynamic_loss_scale_args(self) -> dict[str, Any] | None:
-        """The loss scaler's arguments (§6.1), or None for a static scale or fp16 off."""
+        """The loss scaler's arguments (DeepSpeed's `dynamic_loss_args`), or None for a static scale or fp16 off."""
         if not (self.enabled and self.dynamic_loss_scale):
             return None
         return {

@@ -1,4 +1,5 @@
-"""Wall-clock timers for `wall_clock_breakdown` and the throughput log line (reference §3.6-3.7).
+"""Wall-clock timers for `wall_clock_breakdown` and the throughput log line (DeepSpeed's
+`deepspeed/utils/timer.py::SynchronizedWallClockTimer`, `ThroughputTimer`).
 
 `SynchronizedWallClockTimer` holds named timers. Each `start()` / `stop()` synchronizes the
 accelerator first, so a timer measures the device work queued inside its interval, not just the

@@ -15,7 +15,8 @@ at a time and each parameter is materialized once, just before its shard is save
 re-mapped for every shard (touched pages stay resident while mapped): peak memory is about one
 output shard plus that shard's input pages, not the model size.
 
-Layouts read (reference §7.4): stage 1/2 (lean fp32 partitions concatenated in rank order, cut
+Layouts read (DeepSpeed's `deepspeed/utils/zero_to_fp32.py::_get_fp32_state_dict_from_zero2_checkpoint`
+and `_get_fp32_state_dict_from_zero3_checkpoint`): stage 1/2 (lean fp32 partitions concatenated in rank order, cut
 by `param_shapes`), stage 3 (each parameter split into ceil(numel/W) chunks per rank),
 zerospeed's stage 0 (no optim files: fp32 masters or fp32 module weights from the model file),
 and pipeline checkpoints of either library ([Note: pipeline checkpoints]).

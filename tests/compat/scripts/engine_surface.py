@@ -217,29 +217,6 @@ def bf16_overflow_check(ds, ctx) -> dict:
     return out
 
 
-def fp32_weights_on_load(ds, ctx) -> dict:
-    """`zero_optimization.load_from_fp32_weights`: masters from the checkpoint's fp32 copies, or
-    rebuilt from the bf16 module weights; one step after the load shows which."""
-    root = ctx.path("fp32_weights")
-    engine = _engine(ds, 2, bf16={"enabled": True}, gradient_accumulation_steps=1)
-    for step in range(2):
-        x, y = _batch(ctx, step)
-        engine.backward(engine(x.bfloat16(), y.bfloat16()))
-        engine.step()
-    engine.save_checkpoint(root, tag="t")
-    out = {}
-    for from_fp32 in (True, False):
-        fresh = _engine(ds, 2, bf16={"enabled": True}, gradient_accumulation_steps=1,
-                        zero_optimization={"stage": 2, "load_from_fp32_weights": from_fp32})
-        fresh.load_checkpoint(root, tag="t")
-        x, y = _batch(ctx, 9)
-        fresh.backward(fresh(x.bfloat16(), y.bfloat16()))
-        fresh.step()
-        out[f"from_fp32_{from_fp32}"] = _params(ctx, fresh)
-    out["differ"] = out["from_fp32_True"] != out["from_fp32_False"]
-    return out
-
-
 def model_persistence(ds, ctx) -> dict:
     """`stage3_model_persistence_threshold` caps the total size of the parameters kept whole."""
     out = {}
@@ -252,7 +229,7 @@ def model_persistence(ds, ctx) -> dict:
 
 CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, no_sync, data_loader,
           checkpoint_options, load_strictness, frozen_and_16bit, tag_validation, bf16_overflow_check,
-          fp32_weights_on_load, model_persistence]
+          model_persistence]
 
 
 def main(ds, ctx) -> dict:

@@ -1,4 +1,5 @@
-"""Estimators against their formulas: DeepSpeed's tables (reference §13) and our per-rank model."""
+"""Estimators against their formulas: DeepSpeed's tables (`deepspeed/runtime/zero/
+stage_1_and_2.py::estimate_zero2_model_states_mem_needs`, `stage3.py::estimate_zero3_model_states_mem_needs`) and our per-rank model."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ NA, INFLIGHT, AV = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, Zero
 
 
 @pytest.mark.parametrize("numel,world_size,expected", [
-    (35, 2, [(0, 18), (18, 17)]),      # reference §7.3: partitions 18 / 4 / 11 / 2
+    (35, 2, [(0, 18), (18, 17)]),      # ceil(35 / 2) = 18: rank 0 all real, rank 1 17 real + 1 pad
     (7, 2, [(0, 4), (4, 3)]),
     (3, 2, [(0, 2), (2, 1)]),
     (2, 4, [(0, 1), (1, 1), (2, 0), (3, 0)]),  # ranks past numel hold only padding

@@ -221,18 +221,27 @@ def test_gathered_parameters_writes_on_persistent_params_follow_modifier_rank(mo
 def _ignored_option_warnings():
     import warnings
 
+    from zerospeed.runtime.zero import zero_init
+
+    zero_init._warned.clear()   # once per process: this pooled worker may have warned in an earlier test
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            with zerospeed.zero.Init(pin_memory=True, mem_efficient_linear=False, zero_quantized_weights=True):
+            with zerospeed.zero.Init(pin_memory=True, mem_efficient_linear=False, zero_quantized_weights=True,
+                                     remote_device="nvme"):
                 torch.nn.Linear(2, 2)
-        with zerospeed.zero.Init():  # defaults: nothing ignored worth saying
+        # honoured options and defaults: nothing to say
+        with zerospeed.zero.Init(remote_device="cpu", dtype=torch.bfloat16, pin_memory=False):
+            torch.nn.Linear(2, 2)
+        with zerospeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+                                                      "zero_optimization": {"stage": 3}}):
             torch.nn.Linear(2, 2)
     return [str(w.message) for w in caught if "zero.Init" in str(w.message)]
 
 
 def test_zero_init_warns_once_for_each_ignored_option():
     messages = run_on_ranks(_ignored_option_warnings, 1)[0]
-    assert len(messages) == 3, messages
-    for name in ("pin_memory", "mem_efficient_linear", "zero_quantized_weights"):
-        assert sum(name in m and "ignored" in m for m in messages) == 1
+    assert len(messages) == 4, messages
+    for name in ("pin_memory", "mem_efficient_linear", "zero_quantized_weights", "remote_device"):
+        assert sum(name in m and "ignored" in m for m in messages) == 1, (name, messages)
+    assert "remote_device='nvme'" in next(m for m in messages if "remote_device" in m)

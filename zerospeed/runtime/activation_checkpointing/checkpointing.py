@@ -102,7 +102,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     if deepspeed_config is not None:
         block: DeepSpeedActivationCheckpointingConfig = activation_checkpointing_block(deepspeed_config)
         settings = CheckpointingSettings(**block.model_dump())
-    overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization":
+    overrides: dict[str, Any] = {"partition_activations": partition_activations, "contiguous_memory_optimization":
                  contiguous_checkpointing, "number_checkpoints": num_checkpoints,
                  "cpu_checkpointing": checkpoint_in_cpu, "synchronize_checkpoint_boundary": synchronize,
                  "profile": profile}

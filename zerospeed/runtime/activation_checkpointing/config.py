@@ -1,4 +1,6 @@
-"""The ds_config `activation_checkpointing` block (reference §2.10) and how `configure` reads it."""
+"""The ds_config `activation_checkpointing` block (DeepSpeed's
+`deepspeed/runtime/activation_checkpointing/config.py::DeepSpeedActivationCheckpointingConfig`) and how
+`configure` reads it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Static and dynamic loss scaling, shared by every stage (DeepSpeed's algorithm, reference §6.1).
+"""Static and dynamic loss scaling, shared by every stage (DeepSpeed's algorithm,
+`deepspeed/runtime/fp16/loss_scaler.py::DynamicLossScaler.update_scale`).
 
 [Note: dynamic loss scaling]
 `update_scale(overflow)` runs once per optimizer step. An overflow first spends hysteresis

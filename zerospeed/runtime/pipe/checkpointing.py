@@ -68,23 +68,24 @@ class PipelineCheckpointing:
             raise ValueError("save_checkpoint: save_dir must be a non-empty path")
         tag = default_tag(self.global_steps) if tag is None else str(tag)
         self._validate_tag(tag)
-        stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
+        ctx = self._checkpoint_context()
+        optim_file = ctx.optimizer.checkpoint_files(ctx.dp_rank, self._mp_rank()).optim_states
         transaction = CheckpointTransaction(save_dir, tag, None).begin()
         for local_index, layer in self._layers_to_write():
             state = _layer_state(layer, exclude_frozen_parameters)
             if state is not None:
                 path = self.module.ckpt_layer_path("", local_index)
                 transaction.write(os.path.basename(path), state)
-        if dp_rank == 0:
-            model_states = build_model_states(self, dict(client_state), exclude_frozen_parameters)
+        if ctx.dp_rank == 0:
+            model_states = build_model_states(ctx, dict(client_state), exclude_frozen_parameters)
             model_states[C.MODULE] = None  # the weights are in the layer files, as DeepSpeed
             model_states[C.MP_WORLD_SIZE] = self.grid.get_model_parallel_world_size()
             model_states[C.CHECKPOINT_PARALLEL_DIMENSIONS] = {
                 "pp_degree": self.num_stages, "tp_degree": self.grid.get_slice_parallel_world_size()}
             transaction.write(model_states_name(0, mp_rank=self._mp_rank()), to_plain(model_states))
-        if stage >= 1:
-            transaction.write(optim_states_name(dp_rank, self.bfloat16_enabled(), self._mp_rank()), {
-                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(self.optimizer.state_dict())),
+        if optim_file is not None:   # partitioned optimizer state ([Note: checkpoint contract])
+            transaction.write(optim_file, {
+                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(ctx.optimizer.state_dict())),
                 C.DS_CONFIG: self._config._param_dict, C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
         transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
         return True
@@ -135,20 +136,20 @@ class PipelineCheckpointing:
         self.module.tied_comms.synchronize_weights()
 
     def _load_pipeline_optimizer(self, tag_dir: str, model_state: dict[str, Any]) -> None:
-        stage, dp_rank = self.zero_optimization_stage(), comm.get_rank(self.dp_group)
+        ctx = self._checkpoint_context()
         saved_dp = model_state.get(C.DP_WORLD_SIZE)
         if saved_dp != self.dp_world_size:
             raise ValueError(f"pipeline checkpoint {tag_dir} was saved with data-parallel size {saved_dp}, this run "
                              f"has {self.dp_world_size}: pass load_optimizer_states=False to load the weights only")
-        if stage == 0:
+        if ctx.optimizer.checkpoint_files(ctx.dp_rank, self._mp_rank()).optim_states is None:   # replicated state
             if model_state.get(C.OPTIMIZER) is None:
                 raise ValueError(f"pipeline checkpoint {tag_dir} holds no stage-0 optimizer state "
                                  "(saved with ZeRO >= 1?): pass load_optimizer_states=False")
             # DeepSpeed's or ours, in any of DeepSpeed's stage-0 shapes (checkpoint/deepspeed_format.py).
-            entry = stage0_wrapper_state(self, model_state[C.OPTIMIZER])
+            entry = stage0_wrapper_state(ctx, model_state[C.OPTIMIZER])
             self.optimizer.load_state_dict(entry, load_optimizer_states=True)
             return
-        candidates = [optim_states_name(dp_rank, bf16, self._mp_rank()) for bf16 in (self.bfloat16_enabled(),
+        candidates = [optim_states_name(ctx.dp_rank, bf16, self._mp_rank()) for bf16 in (self.bfloat16_enabled(),
                                                                                       not self.bfloat16_enabled())]
         for name in candidates:
             if os.path.isfile(os.path.join(tag_dir, name)):

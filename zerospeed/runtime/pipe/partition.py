@@ -90,7 +90,7 @@ def partition_weights(method: str, layers: Sequence[Any], num_parts: int) -> lis
                   for layer in layers]
         if not any(binary):
             raise ValueError(f"partition_method {method!r} matched no layer; layer types are "
-                             f"{sorted({layer_type_name(layer) for layer in layers} - {None})}")
+                             f"{sorted({n for layer in layers if (n := layer_type_name(layer)) is not None})}")
         return partition_balanced(binary, num_parts)
     raise NotImplementedError(f"Partitioning method {method} not implemented; use 'parameters', 'uniform' "
                               "or 'type:<regex>'")

@@ -1,6 +1,7 @@
 """Pipeline schedules: generators of instruction lists, one list per step (DeepSpeed's API).
 
-`TrainSchedule` is DeepSpeed's synchronous 1F1B, instruction for instruction (reference §9.4):
+`TrainSchedule` is DeepSpeed's synchronous 1F1B, instruction for instruction
+(`deepspeed/runtime/pipe/schedule.py::TrainSchedule.steps`):
 at step t stage s runs a forward when t and s have the same parity, a backward otherwise; the
 communication of a step comes first, then the load, then the pass; the last step appends
 `ReduceTiedGrads, ReduceGrads, OptimizerStep`. `InferenceSchedule` is DeepSpeed's forward-only

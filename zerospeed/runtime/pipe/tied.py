@@ -58,7 +58,7 @@ class TiedGroups:
         self._local: dict[int, torch.Tensor] = {}
         self._totals: dict[int, torch.Tensor] = {}
         self._tracking = False
-        self._handles = []
+        self._handles: list[Any] = []
 
     @classmethod
     def build(cls, module: Any) -> TiedGroups:

@@ -1,4 +1,5 @@
-"""The ``zero_optimization`` ds_config section (reference §2.8).
+"""The ``zero_optimization`` ds_config section (DeepSpeed's
+`deepspeed/runtime/zero/config.py::DeepSpeedZeroConfig`).
 
 Stage-3 knobs keep both spellings, e.g. ``prefetch_bucket_size`` and
 ``stage3_prefetch_bucket_size``; the attribute is always the short name. The deprecated

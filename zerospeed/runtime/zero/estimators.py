@@ -1,7 +1,8 @@
 """Memory estimators for model states: DeepSpeed's table-printing ones and a precise per-rank one.
 
 [Note: two estimators]
-DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs*` (reference §13) keep their signatures,
+DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs*` (`deepspeed/runtime/zero/stage_1_and_2.py::
+estimate_zero2_model_states_mem_needs`, `deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs`) keep their signatures,
 formulas and printed tables, so scripts and forum answers port. Their formulas are coarse: they
 assume fp16 parameters with fp32 master weights and gradients and Adam, and add an
 `additional_buffer_factor` on the host side.
@@ -49,7 +50,7 @@ _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "f
 _KEYS = ("lp_params", "grads", "master_params", "optimizer_states")
 
 
-# --- DeepSpeed's estimators (reference §13) ------------------------------------------------
+# --- DeepSpeed's estimators (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py) ------------------------------------------------
 
 def model_to_params(model: torch.nn.Module) -> tuple[int, int]:
     """(total params with shared storage counted once, the largest module's direct params)."""

@@ -22,7 +22,7 @@ def ds_external_parameters(module: torch.nn.Module) -> list[tuple[int, torch.nn.
     """(key, parameter) pairs registered with `register_external_parameter` (DeepSpeed's method)."""
     from zerospeed.runtime.zero.partition_parameters import external_parameters
 
-    return [(param.zs_state.ds_id, param) for param in external_parameters(module)]  # type: ignore[union-attr]
+    return [(param.zs_state.ds_id, param) for param in external_parameters(module)]
 
 
 class OffloadClientHooks:

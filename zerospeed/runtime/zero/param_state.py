@@ -14,7 +14,8 @@ With `offload_param: nvme` the partition itself may live on disk (`zs_state.swap
 offload/param_swapper.py): `ds_tensor` is then empty and a gather reads the bytes.
 
 `set_status` is the only way to move between states and checks the transition is legal.
-Partition math (per parameter, padded on its own as DeepSpeed does, reference §5.1): with
+Partition math (per parameter, padded on its own as DeepSpeed's
+`deepspeed/runtime/zero/partition_parameters.py::Init._partition_param` does): with
 `W` ranks, `partition_numel = ceil(numel / W)`; rank r holds the flattened elements
 `[r * partition_numel, (r + 1) * partition_numel)`; the tail past `numel` (on the last ranks only)
 is padding, kept at zero here.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -130,6 +131,20 @@ class ZeroParameter(torch.nn.Parameter):
     """The class a parameter takes once it is partitioned: DeepSpeed's per-parameter methods."""
 
     zs_state: ZeroParamState
+    # DeepSpeed's attributes, derived from zs_state by `_write_ds_attributes` ([Note: ds_* attributes])
+    ds_id: int
+    ds_shape: torch.Size
+    ds_numel: int
+    ds_tensor: torch.Tensor
+    ds_status: ZeroParamStatus
+    ds_persist: bool
+    ds_param_type: ZeroParamType
+    ds_numel_aligned: int
+    ds_active_sub_modules: set[int]
+    ds_process_group: Any
+    ds_zero_partition_rank: int
+    ds_zero_partition_world_size: int
+    ds_secondary_tensor: torch.Tensor | None
 
     def partition_numel(self) -> int:
         return self.zs_state.partition_numel
@@ -199,7 +214,8 @@ def _flat_args(args: Any, kwargs: Any) -> list[Any]:
     return flat
 
 
-def is_zero_param(value: Any) -> bool:
+def is_zero_param(value: Any) -> TypeGuard[ZeroParameter]:
+    """Whether `value` is a ZeRO-3 parameter; a `TypeGuard`, so `value.zs_state` type-checks after it."""
     return isinstance(value, ZeroParameter)
 
 
@@ -212,7 +228,7 @@ def zero_state(param: torch.nn.Parameter) -> ZeroParamState:
 def attach_state(param: torch.nn.Parameter, state: ZeroParamState) -> ZeroParameter:
     """Make `param` a ZeRO-3 parameter carrying `state` (its class and ds_* attributes)."""
     param.__class__ = ZeroParameter
-    zparam: ZeroParameter = param  # type: ignore[assignment]
+    zparam = cast(ZeroParameter, param)
     zparam.zs_state = state
     _write_ds_attributes(zparam)
     return zparam

@@ -1,4 +1,5 @@
-"""Module hooks that drive the coordinator (DeepSpeed's `DeepSpeedZeRoOffload`, reference §5.2).
+"""Module hooks that drive the coordinator (DeepSpeed's
+`deepspeed/runtime/zero/parameter_offload.py::DeepSpeedZeRoOffload`).
 
 [Note: hooks and autograd]
 Every module (z3-leaf modules as a whole, their children untouched) gets four hooks:
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -109,7 +110,8 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self.dp_group = dp_group
         names = param_names or {}
         self._convert(module, names, param_dtype)
-        self.params: list[ZeroParameter] = list({id(p): p for p in module.parameters()}.values())  # type: ignore[misc]
+        # _convert made every parameter a ZeroParameter
+        self.params = cast(list[ZeroParameter], list({id(p): p for p in module.parameters()}.values()))
         self._mark_persistent(zero_config.param_persistence_threshold, zero_config.model_persistence_threshold)
         self.coordinator = PartitionedParameterCoordinator(
             prefetch_bucket_size=1 if zero_config.allgather_sequential else zero_config.prefetch_bucket_size,
@@ -122,7 +124,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         # DeepSpeed's leaf_module config, and the MoE blocks zerospeed finds ([Note: ZeRO-3 leaf modules])
         apply_zero_leaf_module_config(module, zero_config.leaf_module)
         self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
-        self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)  # type: ignore[union-attr]
+        self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)
                                for p in m.parameters() if is_zero_param(p)}
         for param in self.params:
             set_strict(param)
@@ -174,7 +176,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
     def _params_of(self, module: torch.nn.Module) -> tuple[ZeroParameter, ...]:
         own = module.parameters(recurse=z3_leaf_module(module))
         unique = {id(p): p for p in list(own) + external_parameters(module) if is_zero_param(p)}
-        return tuple(unique.values())  # type: ignore[arg-type]
+        return tuple(unique.values())
 
     # --- hooks --------------------------------------------------------------------------------
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:

@@ -53,7 +53,7 @@ def convert_to_zero_param(param: torch.nn.Parameter, group: Any = None, name: st
                           persist: bool = False, broadcast: bool = True) -> ZeroParameter:
     """Partition a full parameter in place: keep this rank's slice, drop the rest unless `persist`."""
     if is_zero_param(param):
-        return param  # type: ignore[return-value]
+        return param
     group = group if group is not None else comm.get_world_group()
     world_size, dp_rank = comm.get_world_size(group), comm.get_rank(group)
     if broadcast and world_size > 1:
@@ -91,7 +91,7 @@ class GatherHandle:
         if self._output is None:
             return
         if self._work is not None:
-            self._work.wait()  # the only call made on the handle (gloo, peer-figures.md)
+            self._work.wait()  # the only call made on the handle: gloo's have no usable future
         world_size = self.params[0].zs_state.world_size
         rows = self._output.view(world_size, -1)
         offset = 0
@@ -114,7 +114,7 @@ def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) 
     # expert-data-parallel group, [Note: MoE at stage 3]); keys in first-ds_id order, as on every rank.
     by_dtype: dict[tuple[torch.dtype, int], list[ZeroParameter]] = {}
     for param in todo:
-        key = (param.zs_state.partition.dtype, id(param.zs_state.group))  # type: ignore[union-attr]
+        key = (param.zs_state.partition.dtype, id(param.zs_state.group))
         by_dtype.setdefault(key, []).append(param)
     handles = [_gather_same_dtype(group, async_op) for group in by_dtype.values()]
     return MultiGatherHandle(handles)
@@ -207,17 +207,17 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     if not isinstance(parameter, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter expects an nn.Parameter, got {type(parameter)}")
     if is_zero_param(parameter):
-        _external_params(module)[parameter.zs_state.ds_id] = parameter  # type: ignore[index]
+        _external_params(module)[parameter.zs_state.ds_id] = parameter
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     if not is_zero_param(parameter):
         return
     table = _external_params(module)
-    if parameter.zs_state.ds_id not in table:  # type: ignore[union-attr]
+    if parameter.zs_state.ds_id not in table:
         raise ValueError(f"parameter {parameter.zs_state.describe()} is not an external parameter "
                          f"of {type(module).__name__}")
-    del table[parameter.zs_state.ds_id]  # type: ignore[union-attr]
+    del table[parameter.zs_state.ds_id]
 
 
 def external_parameters(module: torch.nn.Module) -> list[ZeroParameter]:
@@ -296,7 +296,7 @@ def consolidated_16bit_state_dict(module: torch.nn.Module, exclude_frozen_parame
                     continue
                 if not is_source:
                     continue
-                key = param.zs_state.ds_id if is_zero_param(param) else id(param)  # type: ignore[union-attr]
+                key = param.zs_state.ds_id if is_zero_param(param) else id(param)
                 if key not in by_ds_id:
                     by_ds_id[key] = param.detach().cpu().clone()
                 state[prefix + name] = by_ds_id[key]

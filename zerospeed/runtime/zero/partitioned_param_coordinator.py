@@ -1,4 +1,5 @@
-"""The PartitionedParameterCoordinator: which parameters are gathered when (reference §5.3).
+"""The PartitionedParameterCoordinator: which parameters are gathered when (DeepSpeed's
+`deepspeed/runtime/zero/partitioned_param_coordinator.py::PartitionedParameterCoordinator`).
 
 [Note: trace]
 Trace mode starts INVALID. The first `reset_step` (start of a forward) switches to RECORD: every

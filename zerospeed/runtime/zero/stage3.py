@@ -294,6 +294,14 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
 
         return consolidated_16bit_state_dict(module, exclude_frozen_parameters, self.dp_group)
 
+    consolidated_16bit_state_dict = module_state_dict_16bit   # the weights are partitioned here
+
+    def destroy(self) -> None:
+        """The gradient hooks, the parameter fetch / release hooks, then the swap files."""
+        self.gradients.remove_hooks()
+        self.parameter_offload.remove_hooks()
+        self.close()
+
     def partition_all_parameters(self) -> None:
         self.parameter_offload.partition_all_parameters()
 

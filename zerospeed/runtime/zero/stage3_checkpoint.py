@@ -10,18 +10,27 @@ with any other offload setting, and zero_to_fp32 reads `fp32_flat_groups` with `
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerospeed.checkpoint.layout import model_states_name, optim_states_name
+
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.optimizer_checkpointing import (CheckpointFiles, CheckpointLayout, FrozenParamRecords,
+                                                       frozen_param_records)
+from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.config import ZeroStageEnum
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.param_state import ZeroParameter
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.offload.partial_offload import load_device_state, merge_state_dicts, split_state_dict
 from zerospeed.version import __version__
+
+if TYPE_CHECKING:
+    from zerospeed.checkpoint.full_state import FullOptimizerState
 
 __all__ = ["Stage3Checkpointing"]
 
@@ -30,6 +39,7 @@ class Stage3Checkpointing:
     """state_dict / load_state_dict / refresh_fp32_params and the model-states records of stage 3."""
 
     optimizer: torch.optim.Optimizer
+    precision: PrecisionSettings
     loss_scaler: LossScaler
     overflow: bool
     clip_grad: float
@@ -120,6 +130,32 @@ class Stage3Checkpointing:
                     master.copy_(values)
                 elif master.data_ptr() != lp.data_ptr():
                     master.copy_(lp)
+
+    # --- the checkpoint contract ([Note: checkpoint contract]): the module holds partitions only ------
+    weights_in_optimizer_files = True
+
+    def checkpoint_files(self, dp_rank: int, mp_rank: int) -> CheckpointFiles:
+        """Every dp rank writes its own model-states file (its module's tensors are placeholders) and
+        its optim file."""
+        bf16 = self.precision.param_dtype == torch.bfloat16
+        return CheckpointFiles(model_states_name(3, dp_rank, mp_rank), optim_states_name(dp_rank, bf16, mp_rank))
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout(int(ZeroStageEnum.weights), self.world_size)
+
+    def frozen_param_records(self, module: torch.nn.Module) -> FrozenParamRecords:
+        return frozen_param_records(module)
+
+    def gathered_parameters(self, params: list[torch.nn.Parameter]) -> contextlib.AbstractContextManager[Any]:
+        from zerospeed.runtime.zero.partition_parameters import GatheredParameters
+
+        return GatheredParameters(params)
+
+    def load_full_state(self, full: FullOptimizerState, param_names: dict[torch.nn.Parameter, str],
+                        load_optimizer_states: bool) -> None:
+        from zerospeed.checkpoint.full_state_import import import_zero3
+
+        import_zero3(self, full, param_names, load_optimizer_states)  # type: ignore[arg-type]
 
     # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
     def param_shapes(self, param_names: dict[torch.nn.Parameter, str] | None = None) -> list[dict[str, torch.Size]]:

@@ -42,7 +42,7 @@ norm reduce their per-rank scalar on the accelerator (`comm_device`), never the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
+from zerospeed.checkpoint.layout import optim_states_name
+from zerospeed.runtime.optimizer_checkpointing import (CheckpointFiles, CheckpointLayout, FrozenParamRecords,
+                                                       frozen_param_records)
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
@@ -67,6 +70,9 @@ from zerospeed.runtime.zero.partition import (
     round_robin_order,
 )
 from zerospeed.version import __version__
+
+if TYPE_CHECKING:
+    from zerospeed.checkpoint.full_state import FullOptimizerState
 
 __all__ = ["DeepSpeedZeroOptimizer"]
 
@@ -413,6 +419,27 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             breakdown.update(master_params=offloaded["master_params"], optimizer_states=offloaded["optimizer_states"])
         breakdown["total"] = sum(breakdown.values())
         return breakdown
+
+    # --- checkpoints ([Note: checkpoint contract]): one optim file per dp rank ----------------
+    def checkpoint_files(self, dp_rank: int, mp_rank: int) -> CheckpointFiles:
+        bf16 = self.precision.param_dtype == torch.bfloat16
+        return CheckpointFiles(super().checkpoint_files(dp_rank, mp_rank).model_states,
+                               optim_states_name(dp_rank, bf16, mp_rank))
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout(self.zero_stage, self.dp_world_size)
+
+    def frozen_param_records(self, module: torch.nn.Module) -> FrozenParamRecords:
+        return frozen_param_records(module)
+
+    def load_full_state(self, full: FullOptimizerState, param_names: dict[torch.nn.Parameter, str],
+                        load_optimizer_states: bool) -> None:
+        from zerospeed.checkpoint.full_state_import import import_zero12
+
+        import_zero12(self, full, param_names, load_optimizer_states)
+
+    def destroy(self) -> None:
+        self.remove_hooks()
 
     # --- checkpoint state (reference §4.4, plain types) ------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -45,6 +45,8 @@ _IGNORED_WHY = {
     "zero_quantized_nontrainable_weights": "quantized frozen weights are not implemented",
     "param_swapper": "the engine builds its own parameter swapper",
     "tensor_overrides": "dtype and device are set by dtype= / remote_device= only",
+    "remote_device": "partitions are built in host memory, not on NVMe; they move to NVMe at initialize when "
+                     "the engine's zero_optimization.offload_param.device is nvme",
 }
 _warned: set[str] = set()
 
@@ -90,7 +92,9 @@ class Init:
         if settings is not None:
             dtype = dtype if dtype is not None else settings.dtype
             remote_device = settings.remote_device if settings.remote_device is not None else remote_device
-        _warn_ignored({"mem_efficient_linear": mem_efficient_linear, "pin_memory": pin_memory, **ignored})
+        honoured_device = str(getattr(remote_device, "value", remote_device)) != "nvme"   # none / cpu are
+        _warn_ignored({"mem_efficient_linear": mem_efficient_linear, "pin_memory": pin_memory, **ignored,
+                       **({} if honoured_device else {"remote_device": remote_device})})
         self.dtype = dtype
         self.device = _target_device(remote_device)
         self._patched: dict[type, Any] = {}
@@ -138,7 +142,7 @@ class Init:
         if self._original_init_subclass is None:
             del torch.nn.Module.__init_subclass__
         else:
-            torch.nn.Module.__init_subclass__ = self._original_init_subclass  # type: ignore[assignment]
+            torch.nn.Module.__init_subclass__ = self._original_init_subclass  # type: ignore[method-assign]
         for cls, original in self._patched.items():
             cls.__init__ = original  # type: ignore[misc]
         self._patched.clear()

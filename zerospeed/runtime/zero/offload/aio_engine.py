@@ -28,7 +28,9 @@ import dataclasses
 import errno
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> t
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("aio transfers need a contiguous CPU tensor")
-    return memoryview(tensor.detach().view(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.detach().view(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 class AsyncIOEngine:
@@ -169,7 +171,7 @@ class AsyncIOEngine:
         for transfer in transfers:
             self._transfer(transfer.path, transfer.tensor, transfer.offset, transfer.is_write)
 
-    def _submit(self, fn, *args) -> Future:  # type: ignore[no-untyped-def]
+    def _submit(self, fn: Callable[..., None], *args: Any) -> Future:
         self._slots.acquire()
         future = self._pool.submit(fn, *args)
         future.add_done_callback(lambda _: self._slots.release())

@@ -1,4 +1,5 @@
-"""``zero_optimization.offload_param`` and ``zero_optimization.offload_optimizer`` (reference §2.9).
+"""``zero_optimization.offload_param`` and ``zero_optimization.offload_optimizer``
+(DeepSpeed's `deepspeed/runtime/zero/offload_config.py`).
 
 With optimizer offload the optimizer step runs on the CPU whatever the device; ``nvme``
 additionally swaps optimizer state to ``nvme_path`` (tuned by the top-level ``aio`` block).

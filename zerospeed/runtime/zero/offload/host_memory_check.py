@@ -2,7 +2,8 @@
 the kernel's OOM killer stopping the run later.
 
 `plan_host_bytes` is pure arithmetic over the model size: what one rank will allocate in host
-memory for the offloaded tensors (reference §13 counts the same things):
+memory for the offloaded tensors (DeepSpeed's `deepspeed/runtime/zero/stage3.py::
+estimate_zero3_model_states_mem_needs` counts the same things, coarser):
 
 - optimizer offload `cpu`: fp32 master (4 B) + optimizer states (4 B each: Adam 2, Adagrad and
   Lion 1) per element of this rank's partition, plus, for a bf16/fp16 model, the low-precision

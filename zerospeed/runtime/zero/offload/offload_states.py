@@ -198,17 +198,17 @@ class OffloadStates:
     def step(self, grads: list[torch.Tensor], multiplier: float) -> None:
         """One update of every unit from the partitioned `grads` (one per registered partition,
         same layout), multiplied by `multiplier` (unscale and clip) first."""
-        copy_out = isinstance(self.optimizer, CPUOptimizer)
+        cpu_optimizer = self.optimizer if isinstance(self.optimizer, CPUOptimizer) else None
         for unit in self._units_in_order(self._sweep_order()):
             grad = self._host_grad(grads[unit.partition].narrow(0, unit.offset, unit.numel))
             scale_([grad], multiplier)
             unit.master.grad = grad
             target = self.partition_access.view(unit.partition, unit.offset, unit.numel, read=False)
-            half = copy_out and target.dtype != _FP32
+            half = cpu_optimizer is not None and target.dtype != _FP32
             host_half = self._host_half(target) if half else None
             with _stepping_only(self.optimizer, unit):
-                if host_half is not None:
-                    self.optimizer.step(fp16_param_groups=[[host_half]])  # type: ignore[call-arg]
+                if cpu_optimizer is not None and host_half is not None:
+                    cpu_optimizer.step(fp16_param_groups=[[host_half]])
                 else:
                     self.optimizer.step()
             unit.master.grad = None
