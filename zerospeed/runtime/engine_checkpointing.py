@@ -1,4 +1,4 @@
-"""`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (reference §3.8, §7).
+"""`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (DeepSpeed's `DeepSpeedEngine.save_checkpoint` / `_load_checkpoint`).
 
 The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
 (layout.py), the model-states dict (model_states.py), the atomic write and the manifest
