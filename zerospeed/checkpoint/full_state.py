@@ -127,12 +127,15 @@ def _export_zero12_rank(state: dict[str, Any], full: FullOptimizerState, pieces:
                 full.scalars[name] = scalars_before   # scalar state is the same on every rank: keep rank 0's
 
 
-def export_zero3(optim_states: Iterable[dict[str, Any]], param_shapes: Any, dp_world_size: int) -> FullOptimizerState:
+def export_zero3(optim_states: Iterable[dict[str, Any]], param_shapes: Any, dp_world_size: int,
+                 naming: Any = None) -> FullOptimizerState:
     """From every rank's ZeRO-3 `optimizer_state_dict`, read one at a time in dp-rank order.
-    `param_shapes` is one name -> shape dict per sub-group, in flat order (the model file's)."""
+    `param_shapes` is one name -> shape dict per sub-group, in flat order (the model file's).
+    `naming` (MoE, [Note: MoE stage-3 reshard]): each parameter's partition size and full-state name."""
     groups = param_shapes if isinstance(param_shapes, list) else [param_shapes]
     full = FullOptimizerState()
     pieces: dict[str, list[torch.Tensor]] = {}
+    full_shapes: dict[str, Any] = {}
     for dp_rank, state in enumerate(optim_states):
         base = state[C.OPTIMIZER_STATE_DICT]
         if dp_rank == 0:
@@ -142,15 +145,18 @@ def export_zero3(optim_states: Iterable[dict[str, Any]], param_shapes: Any, dp_w
         for k, (flat, shapes) in enumerate(zip(state[C.FP32_FLAT_GROUPS], groups)):
             sub_group_state = base["state"].get(indices[k], {})
             offset = 0
-            for name, shape in shapes.items():
-                chunk_numel = -(-math.prod(shape) // dp_world_size)
+            for local_name, shape in shapes.items():
+                world = dp_world_size if naming is None else naming.partition_world(local_name)
+                name = local_name if naming is None else naming.rename(dp_rank, local_name)
+                full_shapes[name] = torch.Size(shape)
+                chunk_numel = -(-math.prod(shape) // world)
                 pieces.setdefault(name, []).append(flat.narrow(0, offset, chunk_numel).float())
                 scalars_before = dict(full.scalars.get(name, {}))
                 _split_state(full, name, sub_group_state, flat.numel(), (offset, chunk_numel))
-                if dp_rank > 0 and scalars_before:
-                    full.scalars[name] = scalars_before   # the same on every rank: keep rank 0's
+                if scalars_before and (dp_rank > 0 or naming is not None):
+                    full.scalars[name] = scalars_before   # the same on every rank: keep the first's
                 offset += chunk_numel
-    for name, shape in merge_param_shapes(groups).items():
+    for name, shape in full_shapes.items():
         full.fp32[name] = torch.cat(pieces[name]).narrow(0, 0, math.prod(shape)).view(shape)
     _join_moments(full)
     return full

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint import moe_reshard
 from zerospeed.checkpoint.full_state import FullOptimizerState, fragment_bounds
 from zerospeed.runtime.zero.param_state import rank_span
 
@@ -125,8 +126,8 @@ def import_zero3(wrapper: DeepSpeedZeroOptimizer_Stage3, full: FullOptimizerStat
         scalars: dict[str, Any] = {}
         offset = 0
         for param in params:
-            name = param_names[param]
-            start, real_numel = rank_span(param.zs_state.numel, world_size, dp_rank)
+            name, world, rank = moe_reshard.import_coords(param, param_names[param], world_size, dp_rank)
+            start, real_numel = rank_span(param.zs_state.numel, world, rank)   # experts: [Note: MoE stage-3 reshard]
             flat.narrow(0, offset, real_numel).copy_(_require(full.fp32, name).reshape(-1).narrow(0, start, real_numel))
             for key, value in full.moments.get(name, {}).items():
                 moment = moments.setdefault(key, torch.zeros(flat.numel(), dtype=value.dtype))

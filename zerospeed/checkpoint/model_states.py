@@ -1,4 +1,4 @@
-"""The model-states file (reference §7.2), built from a `CheckpointContext`, in plain types only.
+"""The model-states file (DeepSpeed's `DeepSpeedEngine._save_checkpoint`), built from a `CheckpointContext`, in plain types only.
 
 Beyond DeepSpeed: frozen parameters are kept at stage 1 too (DeepSpeed drops them there), and the
 stage-0 file carries `param_shapes` and the optimizer's param names so it can be resharded and

@@ -13,7 +13,7 @@ expert-data-parallel rank is 0. The model-states file holds every other entry (g
 size: each rank reads the files of the experts it now holds (`expert_states_for_rank`). The
 optimizer files are per expert-parallel rank, so optimizer state needs the saved ep size. At ZeRO 3
 the expert files are written from weights each expert-data-parallel group gathers first, and the
-weights load from the ZeRO partitions, so such a checkpoint loads on its own topology only.
+weights load from the ZeRO partitions, resharded by global expert id ([Note: MoE stage-3 reshard]).
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import torch
 
 from zerospeed.checkpoint.context import CheckpointContext
 
-__all__ = ["check_optimizer_topology", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "loads_moe_optimizer_files", "merge_expert_states", "moe_modules",
+__all__ = ["check_optimizer_topology", "check_stage3_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "loads_moe_optimizer_files", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
 EP_SIZES_KEY = "zs_moe_ep_sizes"  # ours, in the model-states file: {expert group name: ep size} at save
+# ours too: {ep size: for each ep rank, the ranks holding its experts, in expert-data-parallel order}
+EXPERT_DATA_RANKS_KEY = "zs_moe_expert_data_ranks"
 
 
 def expert_file_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
@@ -96,6 +98,22 @@ def strip_expert_states(ctx: CheckpointContext, model_states: dict[str, Any], mo
                                                       groups._get_expert_parallel_rank)
     model_states["num_experts"] = ctx.num_experts
     model_states[EP_SIZES_KEY] = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(ctx.module)}
+    # every created size: the stage-0 `expp_rank` files follow the largest one's ranks
+    sizes = {int(name.rsplit("_", 1)[1]) for name in groups._get_expert_parallel_group_dict()}
+    data_before = bool(ctx.ds_config.get("use_data_before_expert_parallelism", False))
+    model_states[EXPERT_DATA_RANKS_KEY] = {size: expert_data_rank_lists(size, data_before)
+                                           for size in sizes | set(model_states[EP_SIZES_KEY].values())}
+
+
+def expert_data_rank_lists(ep_size: int, data_before_expert: bool) -> list[list[int]]:
+    """For each expert-parallel rank, the ranks that hold its experts (its expert-data-parallel group)."""
+    from zerospeed import comm
+    from zerospeed.comm.topology import expert_rank_lists
+
+    world_size = comm.get_world_size()
+    ep_rank = {r: group.index(r) for group in expert_rank_lists(world_size, ep_size, 1, data_before_expert)[0]
+               for r in group}
+    return [[r for r in range(world_size) if ep_rank[r] == p] for p in range(ep_size)]
 
 
 def save_moe_files(ctx: CheckpointContext, transaction: Any, optimizer_entry: Any) -> None:
@@ -131,19 +149,29 @@ def merge_expert_states(ctx: CheckpointContext, tag_dir: str, module_state: dict
     return {**module_state, **expert_states_for_rank(ctx.module, tag_dir, groups._get_expert_parallel_rank, load)}
 
 
+def check_stage3_crossing(ctx: CheckpointContext, tag_dir: str) -> None:
+    """MoE checkpoints do not move between stage 3 (experts partitioned in the optim files, local names
+    per saving rank) and stages 0-2, in either direction."""
+    saved_stage3 = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    stage3 = bool(ctx.optimizer.weights_in_optimizer_files)
+    if saved_stage3 != stage3:
+        raise ValueError(f"checkpoint {tag_dir} of an MoE model was saved at zero_optimization.stage "
+                         f"{'3' if saved_stage3 else '0-2'} and this run is at stage {'3' if stage3 else '0-2'}: "
+                         "MoE checkpoints load at stage 3 from stage 3 and at stages 0-2 from stages 0-2 only")
+
+
 def check_optimizer_topology(ctx: CheckpointContext, tag_dir: str, model_state: dict[str, Any]) -> None:
-    """Optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and, where the
-    state is partitioned over data-parallel ranks, the data-parallel size) they were saved with;
-    expert weights load at any."""
+    """At stages 0-2 optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and,
+    where the state is partitioned over data-parallel ranks, the data-parallel size) they were saved
+    with; expert weights load at any. Stage 3 reshards ([Note: MoE stage-3 reshard])."""
+    if ctx.optimizer.weights_in_optimizer_files:
+        return
     saved_sizes = model_state.get(EP_SIZES_KEY)
     sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(ctx.module)}
     saved_world = model_state.get("dp_world_size", ctx.dp_world_size)
     partitioned = ctx.optimizer.checkpoint_files(ctx.dp_rank, ctx.mp_rank).optim_states is not None
     if (saved_sizes is not None and saved_sizes != sizes) or (partitioned and saved_world != ctx.dp_world_size):
-        advice = ("at zero_optimization.stage=3 the weights are read from the ZeRO partitions too, so a stage-3 "
-                  "MoE checkpoint loads on the same ranks and expert-parallel sizes only"
-                  if ctx.optimizer.weights_in_optimizer_files else
-                  "expert weights reshard, optimizer states of MoE models do not; load with "
+        advice = ("expert weights reshard, optimizer states of MoE models at stages 0-2 do not; load with "
                   "load_optimizer_states=False (or load_module_only=True)")
         raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
                          f"data-parallel ranks, this run has {sizes} on {ctx.dp_world_size}: {advice}")

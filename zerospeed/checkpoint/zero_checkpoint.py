@@ -20,7 +20,9 @@ from typing import Any
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.deepspeed_format import stage0_for_deepspeed, stage0_from_deepspeed
-from zerospeed.checkpoint.full_state import FullOptimizerState, export_stage0, export_zero3, export_zero12
+from zerospeed.checkpoint import moe_reshard
+from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, export_zero3, export_zero12,
+                                             merge_param_shapes)
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout
@@ -129,7 +131,11 @@ def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOp
         verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
         return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])
     verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
-    return export_zero3(_each_optim_state(saved), model_state[C.PARAM_SHAPES], saved.dp_world_size)
+    naming = None
+    if model_state.get(moe_reshard.EP_SIZES_KEY):   # [Note: MoE stage-3 reshard]
+        names = list(merge_param_shapes(model_state[C.PARAM_SHAPES]))
+        naming = moe_reshard.saved_naming(model_state, names, saved.dp_world_size, saved.tag_dir)
+    return export_zero3(_each_optim_state(saved), model_state[C.PARAM_SHAPES], saved.dp_world_size, naming)
 
 
 def _each_optim_state(saved: SavedLayout) -> Iterator[dict[str, Any]]:

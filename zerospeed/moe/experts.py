@@ -17,6 +17,9 @@ __all__ = ["Experts"]
 class Experts(torch.nn.Module):
     """`num_local_experts` deep copies of `expert`; `forward` runs copy i on input[:, i] chunks."""
 
+    deepspeed_experts: torch.nn.ModuleList
+    num_local_experts: int
+
     def __init__(self, expert: torch.nn.Module, num_local_experts: int = 1,
                  expert_group_name: str | None = None) -> None:
         super().__init__()
@@ -26,6 +29,7 @@ class Experts(torch.nn.Module):
             for param in local_expert.parameters():
                 param.allreduce = False
                 param.group_name = expert_group_name
+                param.zs_num_local_experts = num_local_experts   # ours: global ids on a checkpoint reshard
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """[ep_size, num_local_experts, C, d] -> the same shape, expert i applied to [:, i]."""

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from zerospeed.moe import dispatch
+from zerospeed.moe.dropless import dropless_forward
+from zerospeed.moe.experts import Experts
 from zerospeed.moe.routing import (
     Routes,
     gumbel_rsample,
@@ -109,18 +111,21 @@ class TopKGate(torch.nn.Module):
             input_fp32 = multiplicative_jitter(input_fp32, device=input.device)
         return torch.nn.functional.linear(input_fp32, weight=self.wg.weight.float(), bias=None)
 
-    def route(self, input: Tensor, used_token: Tensor | None = None) -> Routes:
-        """[S, d] tokens -> `Routes` (fp32 throughout)."""
+    def route(self, input: Tensor, used_token: Tensor | None = None, group_capacity: bool = True) -> Routes:
+        """[S, d] tokens -> `Routes` (fp32 throughout). `group_capacity=False` skips the all-reduce that
+        pads a `drop_tokens=False` capacity to the expert-parallel group's largest count (the layer's
+        dropless path has no capacity: [Note: dropless dispatch])."""
         logits = self.logits(input)
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        ep_group = self.ep_group if group_capacity or self.drop_tokens else None
         if self.k == 1:
             return top1_routes(logits, capacity_factor, self.min_capacity, used_token,
                                self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
-                               self.ep_group, self.drop_policy)
+                               ep_group, self.drop_policy)
         if self.k == 2:
-            return top2_routes(logits, capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group,
+            return top2_routes(logits, capacity_factor, self.min_capacity, self.drop_tokens, ep_group,
                                self.top2_2nd_expert_sampling, self.drop_policy)
-        return topk_routes(logits, self.k, capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group,
+        return topk_routes(logits, self.k, capacity_factor, self.min_capacity, self.drop_tokens, ep_group,
                            self.drop_policy or "probs")
 
     def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False,
@@ -132,7 +137,8 @@ class MOELayer(torch.nn.Module):
     """Gate, dispatch, all-to-all, experts, all-to-all, combine ([Note: MoE dispatch]).
 
     `forward(tokens[..., d], used_token=None)` returns the combined output in the input's shape and
-    leaves `l_aux` and `exp_counts` on the module, as DeepSpeed's does.
+    leaves `l_aux` and `exp_counts` on the module, as DeepSpeed's does. With the gate's
+    `drop_tokens=False` the tokens travel unpadded instead ([Note: dropless dispatch]).
     """
 
     def __init__(self, gate: TopKGate, experts: torch.nn.Module, ep_group_name: str, ep_size: int,
@@ -164,8 +170,17 @@ class MOELayer(torch.nn.Module):
         hidden = input[0]
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)
-        routes = self.gate.route(tokens, input[1] if len(input) > 1 else None)
+        dropless = not self.gate.drop_tokens
+        routes = self.gate.route(tokens, input[1] if len(input) > 1 else None, group_capacity=not dropless)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        if dropless:  # no capacity, no padding: [Note: dropless dispatch]
+            self._check_group()
+            if not isinstance(self.experts, Experts):
+                raise TypeError("MOELayer with drop_tokens=False runs each expert on its own rows and needs "
+                                f"zerospeed.moe.experts.Experts, got {type(self.experts).__name__}")
+            output = dropless_forward(tokens, routes.expert_index, routes.weight, self.experts, self.ep_size,
+                                      self.ep_group, self.comm_log_name)
+            return output.reshape(hidden.shape)
         num_experts, capacity = routes.num_experts, int(routes.capacity)
         slots = dispatch.flat_slots(routes.expert_index, routes.slot, num_experts, capacity)
         expert_input = dispatch.encode(tokens, slots, num_experts, capacity)
@@ -174,11 +189,14 @@ class MOELayer(torch.nn.Module):
         expert_output = self._exchange(expert_output.reshape(num_experts, -1, d_model), "combine")
         return dispatch.decode(expert_output, slots, routes.weight).reshape(hidden.shape)
 
+    def _check_group(self) -> None:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: call "
+                               "set_deepspeed_parallelism() (deepspeed.initialize does) before forward")
+
     def _exchange(self, buffers: Tensor, step: str) -> Tensor:
         if self.ep_size > 1:
-            if self.ep_group is None:
-                raise RuntimeError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: call "
-                                   "set_deepspeed_parallelism() (deepspeed.initialize does) before forward")
+            self._check_group()
             name = None if self.comm_log_name is None else f"{self.comm_log_name}.{step}"
             return dispatch.all_to_all(self.ep_group, buffers, name)
         return buffers.contiguous()

@@ -1,4 +1,4 @@
-"""`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (reference §3.8, §7).
+"""`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (DeepSpeed's `DeepSpeedEngine.save_checkpoint` / `_load_checkpoint`).
 
 The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
 (layout.py), the model-states dict (model_states.py), the atomic write and the manifest
@@ -127,8 +127,8 @@ class EngineCheckpointing:
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
         ctx = self._checkpoint_context()
-        if ctx.has_moe_layers and ctx.optimizer.weights_in_optimizer_files:   # the weights need the topology
-            moe_checkpoint.check_optimizer_topology(ctx, tag_dir, model_state)
+        if ctx.has_moe_layers:   # at stage 3 the weights live in the optim files
+            moe_checkpoint.check_stage3_crossing(ctx, tag_dir)
         saved = self._discover_for_tp(tag_dir, model_state)
         if ctx.has_moe_layers:  # [Note: MoE checkpoint layout]
             model_state[C.MODULE] = moe_checkpoint.merge_expert_states(ctx, tag_dir, model_state[C.MODULE], load_file)

@@ -7,10 +7,9 @@ from typing import Any
 from zerospeed.utils.logging import log_dist, logger
 
 _EXPORTS = {
-    "set_z3_leaf_modules": "zerospeed.runtime.zero.parameter_offload",
-    "unset_z3_leaf_modules": "zerospeed.runtime.zero.parameter_offload",
-    "get_z3_leaf_modules": "zerospeed.runtime.zero.parameter_offload",
-    "z3_leaf_module": "zerospeed.runtime.zero.parameter_offload",
+    **{name: "zerospeed.utils.z3_leaf_module" for name in (
+        "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
+        "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")},
     "is_initialized": "zerospeed.comm",
     "RepeatingLoader": "zerospeed.runtime.dataloader",
     **{name: "zerospeed.utils.tensor_fragment" for name in (

@@ -53,6 +53,8 @@ class _Piece:
     param_start: int            # offset of this rank's piece in the flattened parameter
     numel: int                  # elements in this rank's piece
     stage: int
+    group: Any = None           # the ranks the pieces are spread over (None: the data-parallel group;
+                                # an expert parameter's expert-data-parallel group, [Note: MoE param groups])
 
 
 def _engine_of(param: torch.nn.Parameter) -> Any:
@@ -88,10 +90,11 @@ def _stage12_piece(optimizer: Any, param: torch.nn.Parameter) -> _Piece:
             if candidate is not param:
                 continue
             offset, numel = group.layout.param_offsets[index], param.numel()
-            part_start = group.layout.partition_start(optimizer.dp_rank)
+            part_start = group.layout.partition_start(group.dp_rank)
             lo, hi = max(offset, part_start), min(offset + numel, part_start + group.layout.partition_numel)
             return _Piece(group.master, group.partition_grad, group.master, max(0, lo - part_start),
-                          max(0, lo - offset), max(0, hi - lo), 2 if optimizer.partition_gradients else 1)
+                          max(0, lo - offset), max(0, hi - lo), 2 if optimizer.partition_gradients else 1,
+                          group.process_group)
     raise ValueError("safe_get/set_*: parameter not found in the optimizer (frozen?)")
 
 
@@ -101,13 +104,14 @@ def _stage3_piece(optimizer: Any, param: torch.nn.Parameter) -> _Piece:
         raise ValueError("safe_get/set_*: parameter not found in the optimizer (frozen?)")
     master = optimizer.fp32_flat[slot.sub_group]
     size = param.partition_numel()
-    start = optimizer.dp_rank * size
+    group = getattr(param, "ds_process_group", None)   # an expert's: its expert-data-parallel group
+    start = (optimizer.dp_rank if group is None else comm.get_rank(group)) * size
     numel = max(0, min(size, param.ds_numel - start))
-    return _Piece(master.data, optimizer.grad_flat[slot.sub_group], master, slot.offset, start, numel, 3)
+    return _Piece(master.data, optimizer.grad_flat[slot.sub_group], master, slot.offset, start, numel, 3, group)
 
 
-def _group_of(param: torch.nn.Parameter) -> Any:
-    return _engine_of(param).dp_group
+def _group_of(param: torch.nn.Parameter, piece: _Piece) -> Any:
+    return _engine_of(param).dp_group if piece.group is None else piece.group
 
 
 def _assemble(param: torch.nn.Parameter, piece: _Piece, flat: torch.Tensor) -> torch.Tensor:
@@ -117,7 +121,7 @@ def _assemble(param: torch.nn.Parameter, piece: _Piece, flat: torch.Tensor) -> t
     if piece.numel:
         full.narrow(0, piece.param_start, piece.numel).copy_(flat.narrow(0, piece.flat_start, piece.numel))
     if piece.stage > 0:
-        comm.all_reduce(full, group=_group_of(param))
+        comm.all_reduce(full, group=_group_of(param, piece))
     return full.view(param.ds_shape if piece.stage == 3 else param.shape)
 
 

@@ -26,11 +26,16 @@ A Mixture-of-Experts checkpoint (zerospeed/checkpoint/moe_checkpoint.py) keeps e
 own `layer_<l>_expert_<e>_mp_rank_00_model_states.pt`, under its global id; the model-states file
 and the ZeRO partitions hold the rest. At stage 1/2 the expert param groups are partitioned over
 the expert-data-parallel group, and every rank's file describes only its own experts under local
-ids, so the partitions cannot be concatenated across ranks like the other groups: those groups are
-skipped and every expert is read from its file (the module's weights: exact fp32 in fp32 training,
-the bf16/fp16 copy upcast otherwise). At stage 3 (zerospeed's) the expert parameters' partitions
-are stepped over with the expert-data-parallel size, from `zs_moe_ep_sizes`. DeepSpeed 0.19.8's
-own script fails on such checkpoints.
+ids, so the partitions cannot be concatenated across all ranks like the other groups. Instead each
+expert-parallel rank's experts are merged from the files of the ranks that hold them (its
+expert-data-parallel group, in order: zerospeed records these rank lists per ep size in
+`zs_moe_expert_data_ranks`; otherwise DeepSpeed's default layout, where rank r holds ep rank
+r % ep_size's experts), and their local ids become global ones (ep rank x local experts + local
+id). So the experts' values are the fp32 masters, also in bf16/fp16 training; at stage 3 (ours)
+the expert partitions are ceil(numel / expert-data-parallel size) per rank, at stage 0 the masters
+are in the `expp_rank_<p>` files. Entries the optimizer does not hold (frozen experts) come from the
+expert files (the module's weights, upcast). DeepSpeed 0.19.8's own script fails on such
+checkpoints.
 """
 
 from __future__ import annotations
@@ -193,6 +198,7 @@ class _ZeroCheckpoint:
         `mp_rank`: only that model-parallel rank's files (one tp rank of an AutoTP checkpoint)."""
         self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
         self.expert_files: list[str] = []
+        self.expert_order: list[str] = []
         if stage_files is not None:
             self.model_files, self.optim_files, self.model0 = [stage_files[0]], stage_files[1], stage_files[2]
             self.sources: OrderedDict[str, _Source] = OrderedDict()
@@ -219,7 +225,7 @@ class _ZeroCheckpoint:
             self._zero12_params()
         else:
             self._zero3_params()
-        self._experts()
+        self._experts(stage)
         self._buffers()
         self._shared()
         return self._in_module_order()
@@ -267,20 +273,60 @@ class _ZeroCheckpoint:
     def _zero12_params(self) -> None:
         for g, shapes in enumerate(self.model0["param_shapes"]):
             if self.expert_files and shapes and all(_EXPERT_KEY in name for name in shapes):
-                continue   # an expert group: [Note: MoE checkpoints in zero_to_fp32]
-            leans = [state["single_partition_of_fp32_groups"][g] for state in self.optim]
-            paddings = [state.get("param_alignment_paddings", [[]] * (g + 1))[g] for state in self.optim][0]
-            offset = 0
-            for k, (name, shape) in enumerate(shapes.items()):
-                numel = math.prod(shape)
-                self.sources[name] = _Source(shape, torch.float32, lambda o=offset, n=numel, s=shape, t=leans:
-                                             _cat(_narrow_across(t, o, n), torch.Size(s)))
-                offset += numel + (int(paddings[k]) if k < len(paddings) else 0)
-            available = sum(t.numel() for t in leans)
-            align = 2 * self.world_size
-            if -(-offset // align) * align != -(-available // align) * align:
-                raise ValueError(f"group {g}: consumed {offset} numels out of {available} - something is wrong")
+                # an expert group: [Note: MoE checkpoints in zero_to_fp32]
+                counts = self.optim[0]["partition_count"]
+                expert_world = int(counts[g] if isinstance(counts, list) else counts)
+                for ep_rank, ranks in enumerate(self._expert_rank_lists(expert_world)):
+                    self._zero12_group(g, shapes, [self.optim[r] for r in ranks], len(ranks),
+                                       self._globalizer(shapes, ep_rank))
+                continue
+            self._zero12_group(g, shapes, self.optim, self.world_size, lambda name: name)
         self._frozen_full(self.model0)
+
+    def _zero12_group(self, g: int, shapes: dict, states: list, world_size: int,
+                      rename: Callable[[str], str]) -> None:
+        """Group g's parameters from the lean partitions of `states` (its ranks, in partition order)."""
+        leans = [state["single_partition_of_fp32_groups"][g] for state in states]
+        paddings = [state.get("param_alignment_paddings", [[]] * (g + 1))[g] for state in states][0]
+        offset = 0
+        for k, (name, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            self.sources[rename(name)] = _Source(shape, torch.float32, lambda o=offset, n=numel, s=shape, t=leans:
+                                                 _cat(_narrow_across(t, o, n), torch.Size(s)))
+            offset += numel + (int(paddings[k]) if k < len(paddings) else 0)
+        available = sum(t.numel() for t in leans)
+        align = 2 * world_size
+        if -(-offset // align) * align != -(-available // align) * align:
+            raise ValueError(f"group {g}: consumed {offset} numels out of {available} - something is wrong")
+
+    def _expert_rank_lists(self, expert_world: int) -> list[list[int]]:
+        """For each expert-parallel rank, the ranks holding its experts, in expert-data-parallel order
+        ([Note: MoE checkpoints in zero_to_fp32])."""
+        return self._rank_lists_of_size(self.world_size // expert_world, self.world_size)
+
+    def _rank_lists_of_size(self, ep_size: int, world_size: int) -> list[list[int]]:
+        recorded = (self.model0.get("zs_moe_expert_data_ranks") or {}).get(ep_size)
+        if recorded is not None:
+            return [list(ranks) for ranks in recorded]
+        return [[ep_rank + ep_size * i for i in range(world_size // ep_size)] for ep_rank in range(ep_size)]
+
+    @staticmethod
+    def _globalizer(local_names, ep_rank: int) -> Callable[[str], str]:
+        """local expert name -> global: `...deepspeed_experts.<l>.` -> `<ep_rank * local experts + l>`,
+        the local experts of each MoE layer counted from the names (every rank holds the same count)."""
+        per_layer: dict[str, int] = {}
+        for name in local_names:
+            if _EXPERT_KEY in name:
+                prefix, tail = name.split(_EXPERT_KEY, 1)
+                per_layer[prefix] = max(per_layer.get(prefix, 0), int(tail.split(".", 1)[0]) + 1)
+
+        def rename(name: str) -> str:
+            if _EXPERT_KEY not in name:
+                return name
+            prefix, tail = name.split(_EXPERT_KEY, 1)
+            local, rest = tail.split(".", 1)
+            return f"{prefix}{_EXPERT_KEY}{ep_rank * per_layer[prefix] + int(local)}.{rest}"
+        return rename
 
     def _frozen_full(self, model_state: dict) -> None:
         if self.exclude_frozen:
@@ -304,9 +350,13 @@ class _ZeroCheckpoint:
         world_size = self.world_size
         flats = [state["fp32_flat_groups"] for state in self.optim]
         offset, expert_world = 0, self._expert_partition_count()
-        for name, shape in _merged_shapes(self.model0["param_shapes"]).items():
+        all_shapes = _merged_shapes(self.model0["param_shapes"])
+        expert_ranks = self._expert_rank_lists(expert_world) if expert_world else []
+        renames = [self._globalizer(all_shapes, ep_rank) for ep_rank in range(len(expert_ranks))]
+        for name, shape in all_shapes.items():
             numel = math.prod(shape)
-            if expert_world and _EXPERT_KEY in name:   # read from its file: only step over its partition
+            if expert_world and _EXPERT_KEY in name:   # partitioned over its expert-data-parallel group
+                self._zero3_expert(name, shape, offset, [[flats[r] for r in ranks] for ranks in expert_ranks], renames)
                 offset += -(-numel // expert_world)
                 continue
             psize = -(-numel // world_size)
@@ -321,6 +371,19 @@ class _ZeroCheckpoint:
         if offset != available:
             raise ValueError(f"consumed {offset} numels per rank out of {available} - something is wrong")
         self._zero3_frozen()
+
+    def _zero3_expert(self, name: str, shape: torch.Size, offset: int, flats_per_ep_rank: list[list],
+                      renames: list[Callable[[str], str]]) -> None:
+        """Every expert-parallel rank's copy of expert parameter `name` (local id), under its global id:
+        chunks of ceil(numel / expert-data-parallel size) from that ep rank's ranks, in order."""
+        numel = math.prod(shape)
+        for flats, rename in zip(flats_per_ep_rank, renames):
+            chunk = -(-numel // len(flats))
+
+            def build(o=offset, n=numel, p=chunk, s=shape, f=flats):
+                return _copy_prefix([piece for rank_flat in f for piece in _narrow_across(rank_flat, o, p)], n).view(s)
+
+            self.sources[rename(name)] = _Source(shape, torch.float32, build)
 
     def _expert_partition_count(self) -> int:
         """Stage 3 with MoE: the expert-data-parallel size each expert parameter is partitioned over
@@ -343,15 +406,49 @@ class _ZeroCheckpoint:
             self.sources[name] = _Source(shape, torch.float32, lambda f=fragments, s=shape:
                                          torch.cat([x.float() for x in f]).narrow(0, 0, math.prod(s)).view(s))
 
-    def _experts(self) -> None:
-        """Every expert from its own file, under its global id ([Note: MoE checkpoints in zero_to_fp32])."""
-        for name in [n for n in self.sources if _EXPERT_KEY in n]:
-            del self.sources[name]   # local ids of rank 0's experts (stage 0 module / shapes)
+    def _experts(self, stage: int) -> None:
+        """Every expert under its global id: the fp32 masters read above (stage 0: from the
+        `expp_rank` files), the rest (frozen experts) from the expert files ([Note: MoE checkpoints
+        in zero_to_fp32])."""
+        if stage == 0:
+            self._stage0_expert_masters()
         for path in self.expert_files:
             for name, tensor in _load(path).items():
-                if self.exclude_frozen and name not in self.trainable_experts:
+                self.expert_order.append(name)   # module order within each expert, experts by global id
+                if name in self.sources or (self.exclude_frozen and name not in self.trainable_experts):
                     continue
                 self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+
+    def _stage0_expert_masters(self) -> None:
+        """Stage 0 in fp16/bf16: each `expp_rank_<p>` file holds the fp32 masters of ep rank p's
+        parameters (fp32 training keeps none: the expert files are exact there)."""
+        names = list(_merged_shapes(self.model0.get("param_shapes") or []))
+        files = sorted(glob.glob(os.path.join(self.tag_dir, "expp_rank_*_optim_states.pt")), key=_natural_key)
+        sizes = set((self.model0.get("zs_moe_ep_sizes") or {}).values())
+        if len(sizes) != 1 or not files:
+            return   # several expert-parallel sizes (or none recorded): the expert files' weights
+        ep_size = sizes.pop()
+        # File p was written by the first rank holding ep rank p's experts of the *largest* created ep
+        # size (one file per its ep rank); that rank's experts are those of its ep rank in `ep_size`.
+        recorded = self.model0.get("zs_moe_expert_data_ranks") or {}
+        world_size = sum(len(ranks) for ranks in next(iter(recorded.values()))) if recorded else len(files)
+        writers = [ranks[0] for ranks in self._rank_lists_of_size(len(files), world_size)]
+        ep_rank_of = {r: p for p, ranks in enumerate(self._rank_lists_of_size(ep_size, world_size)) for r in ranks}
+        for path in files:
+            optimizer = _load(path).get("optimizer") or {}
+            masters = optimizer.get("fp32_groups") or []
+            if masters and isinstance(masters[0], (list, tuple)):
+                masters = [master for group in masters for master in group]
+            if not masters or "param_names" not in optimizer:
+                continue
+            flags = [flag for group in optimizer["trainable"] for flag in group]
+            trainable = [n for group in optimizer["param_names"] for n in group]
+            trainable = [n for n, flag in zip(trainable, flags) if flag]
+            writer = writers[int(re.search(r"expp_rank_(\d+)_", path).group(1))]
+            rename = self._globalizer(names, ep_rank_of[writer])
+            for name, master in zip(trainable, masters):
+                if _EXPERT_KEY in name:
+                    self.sources[rename(name)] = _Source(master.shape, torch.float32, lambda m=master: m.float().clone())
 
     @property
     def trainable_experts(self) -> set[str]:
@@ -383,7 +480,9 @@ class _ZeroCheckpoint:
                 order.append(name)
             if ".deepspeed_moe.gate." in name:
                 prefix = name.split(".deepspeed_moe.gate.")[0] + _EXPERT_KEY
-                order += [n for n in self.sources if n.startswith(prefix) and n not in order]
+                experts = [n for n in self.expert_order if n in self.sources]
+                experts += [n for n in self.sources if n not in set(experts)]
+                order += [n for n in experts if n.startswith(prefix) and n not in order]
         order += [name for name in self.sources if name not in set(order)]
         return OrderedDict((name, self.sources[name]) for name in order)
 

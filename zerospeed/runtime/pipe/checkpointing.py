@@ -1,4 +1,4 @@
-"""Pipeline checkpoints in DeepSpeed's layout (reference §9.5), written and read by `PipelineEngine`.
+"""Pipeline checkpoints in DeepSpeed's layout (DeepSpeed's `deepspeed/runtime/pipe/module.py::PipelineModule.save_state_dict` / `load_state_dir`), written and read by `PipelineEngine`.
 
     <tag>/layer_XX[-model_YY]-model_states.pt         one per layer with weights: layer.state_dict()
     <tag>/mp_rank_SS_model_states.pt                   one per stage (x tensor rank): `module: None`,

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from zerospeed.runtime.config_utils import DeepSpeedConfigModel, Deprecated, warn_config
+from zerospeed.utils.z3_leaf_module import DeepSpeedZeroLeafModuleConfig
 from zerospeed.runtime.zero.offload.config import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
@@ -123,8 +124,8 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     """Cross-rank consistency asserts."""
     save_muon_momentum_buffer_in_memory: bool = False
     """Muon with nvme."""
-    leaf_module: dict[str, Any] = Field(default_factory=dict)
-    """Configuration of ZeRO-3 leaf modules."""
+    leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)
+    """Stage 3: modules gathered whole, their children unhooked ([Note: ZeRO-3 leaf modules])."""
     zenflow: dict[str, Any] | None = None
     """ZenFlow (not implemented: accepted with a warning)."""
     parameter_alignment: bool = False

@@ -23,7 +23,7 @@ gradient that arrives for it with the wrong shape raises an error naming the mod
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -44,6 +44,8 @@ from zerospeed.runtime.zero.partition_parameters import (
 )
 from zerospeed.runtime.zero.offload_client_hooks import OffloadClientHooks
 from zerospeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from zerospeed.utils.z3_leaf_module import (apply_zero_leaf_module_config, get_z3_leaf_modules, set_z3_leaf_modules,
+                                            unset_z3_leaf_modules, z3_leaf_module)
 
 __all__ = ["DeepSpeedZeRoOffload", "check_partition_group", "partition_group", "get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "z3_leaf_module"]
@@ -69,37 +71,6 @@ def check_partition_group(param: torch.nn.Parameter, dp_group: Any, name: str) -
         raise ValueError(f"ZeRO-3: expert parameter {name!r} ({param.group_name}) was partitioned by "  # type: ignore[attr-defined]
                          "zero.Init over the data-parallel group; build MoE models outside zero.Init "
                          "(the engine partitions expert parameters over their expert-data-parallel group)")
-
-
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[Any]) -> list[torch.nn.Module]:
-    """Mark modules of these classes (or class names) as leaves: fetched with all their descendants'
-    parameters at once, their children not hooked (MoE experts run in data-dependent order)."""
-    classes = list(leaf_module_classes)
-    marked = []
-    for module in model.modules():
-        if any(type(module) is c or type(module).__name__ == c for c in classes):
-            module.__dict__["_z3_leaf"] = True   # a plain flag (nn.Module.__setattr__ is typed for tensors)
-            marked.append(module)
-    return marked
-
-
-def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[Any]) -> list[torch.nn.Module]:
-    classes = list(leaf_module_classes)
-    unmarked = []
-    for module in model.modules():
-        if getattr(module, "_z3_leaf", False) and any(type(module) is c or type(module).__name__ == c
-                                                      for c in classes):
-            module.__dict__["_z3_leaf"] = False
-            unmarked.append(module)
-    return unmarked
-
-
-def z3_leaf_module(module: torch.nn.Module) -> bool:
-    return bool(getattr(module, "_z3_leaf", False))
-
-
-def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if z3_leaf_module(m)]
 
 
 class _ZeroParamDict(dict):
@@ -150,6 +121,8 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._fwd_stack: list[torch.nn.Module] = []
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
+        # DeepSpeed's leaf_module config, and the MoE blocks zerospeed finds ([Note: ZeRO-3 leaf modules])
+        apply_zero_leaf_module_config(module, zero_config.leaf_module)
         self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
         self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)
                                for p in m.parameters() if is_zero_param(p)}

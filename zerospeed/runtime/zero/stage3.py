@@ -1,4 +1,4 @@
-"""`DeepSpeedZeroOptimizer_Stage3`: partitioned gradients and the fp32 step (reference §5.4).
+"""`DeepSpeedZeroOptimizer_Stage3`: partitioned gradients and the fp32 step (DeepSpeed's `deepspeed/runtime/zero/stage3.py::DeepSpeedZeroOptimizer_Stage3`).
 
 Tensors per rank, for each optimizer sub-group k (params in group order, cut when the sum of their
 `partition_numel()` reaches `sub_group_size`):

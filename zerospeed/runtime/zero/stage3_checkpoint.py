@@ -1,4 +1,4 @@
-"""`Stage3Checkpointing`: what a stage-3 wrapper saves and loads (reference §5.4, §7.2).
+"""`Stage3Checkpointing`: what a stage-3 wrapper saves and loads (DeepSpeed's `DeepSpeedZeroOptimizer_Stage3._rigid_state_dict`).
 
 A mixin of `DeepSpeedZeroOptimizer_Stage3` (stage3.py), which owns every tensor named here. The
 optimizer-states file holds, per sub-group k in order, the fp32 master `fp32_flat_groups[k]`
@@ -60,7 +60,7 @@ class Stage3Checkpointing:
 
     # --- the optimizer-states file -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """DeepSpeed's stage-3 keys (§5.4), plain types; `fp32_flat_groups` keep their padding."""
+        """DeepSpeed's stage-3 keys (`_rigid_state_dict`), plain types; `fp32_flat_groups` keep their padding."""
         return {
             "zero_stage": ZeroStageEnum.weights,
             "loss_scaler": self.loss_scaler.state_dict(),
@@ -157,7 +157,7 @@ class Stage3Checkpointing:
 
         import_zero3(self, full, param_names, load_optimizer_states)  # type: ignore[arg-type]
 
-    # --- what a checkpoint's model-states file records (reference §7.2) -----------------------------
+    # --- what a checkpoint's model-states file records (`DeepSpeedEngine._save_checkpoint`) -----------------------------
     def param_shapes(self, param_names: dict[torch.nn.Parameter, str] | None = None) -> list[dict[str, torch.Size]]:
         """Per sub-group, name -> full shape of each trainable param, in flat-partition order
         (DeepSpeed's `param_shapes`: zero_to_fp32 walks `fp32_flat_groups` with it). The names are

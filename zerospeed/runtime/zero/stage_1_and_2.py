@@ -441,7 +441,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def destroy(self) -> None:
         self.remove_hooks()
 
-    # --- checkpoint state (reference §4.4, plain types) ------------------------------------
+    # --- checkpoint state (DeepSpeed's `DeepSpeedZeroOptimizer.state_dict`, plain types) ------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "loss_scaler": self.loss_scaler.state_dict(),
