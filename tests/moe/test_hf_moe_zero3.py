@@ -12,6 +12,8 @@ what `set_z3_leaf_modules` was for (tests/runtime/zero/test_stage3.py covers lea
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from distributed import run_on_ranks
@@ -63,10 +65,17 @@ def _train_zero3(stage: int = 3) -> dict:
 def test_tiny_mixtral_trains_under_zero3_like_one_process() -> None:
     results = run_on_ranks(_train_zero3, 2)
     model = _model()
+    batches = [[tokens[r * MICRO:(r + 1) * MICRO] for r in range(2)] for tokens in _tokens(2)]
+    _assert_equal_to_one_process(results, model, batches, lambda ids: model(input_ids=ids, labels=ids).loss)
+
+
+def _assert_equal_to_one_process(results: list[dict[str, Any]], model: torch.nn.Module, batches: list[list[Any]],
+                                 loss_of: Any) -> None:
+    """Train `model` in one process on each step's per-rank shards (the mean of the ranks' losses, SGD)
+    and compare every rank's losses and final parameters at 1e-5."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step, tokens in enumerate(_tokens(2)):
-        shards = [tokens[r * MICRO:(r + 1) * MICRO] for r in range(2)]
-        losses = [model(input_ids=ids, labels=ids).loss for ids in shards]
+    for step, shards in enumerate(batches):
+        losses = [loss_of(shard) for shard in shards]
         (sum(losses) / 2).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -173,15 +182,6 @@ def test_per_expert_moe_block_is_found_and_trains_under_zero3_like_one_process()
     results = run_on_ranks(_train_per_expert, 2, True)
     assert all(3 not in ran for ran in results[0]["ran"]) and all(3 in ran for ran in results[1]["ran"])
     model = PerExpertNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step, (x, y) in enumerate(_data(2)):
-        losses = [model(x[r * TOKENS:(r + 1) * TOKENS], y[r * TOKENS:(r + 1) * TOKENS]) for r in range(2)]
-        (sum(losses) / 2).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        for rank, result in enumerate(results):
-            assert_close_relative(torch.tensor(result["losses"][step]), losses[rank].detach(), 1e-5,
-                                  f"rank {rank} loss step {step}")
-    for name, param in model.named_parameters():
-        for result in results:
-            assert_close_relative(result["params"][name], param.detach(), 1e-5, name)
+    batches = [[(x[r * TOKENS:(r + 1) * TOKENS], y[r * TOKENS:(r + 1) * TOKENS]) for r in range(2)]
+               for x, y in _data(2)]
+    _assert_equal_to_one_process(results, model, batches, lambda xy: model(*xy))
