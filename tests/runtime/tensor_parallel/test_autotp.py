@@ -132,8 +132,38 @@ def _round_trip(engine, kind: str, stage: int, tp: int, save_dir: str, full: dic
             "steps": fresh.global_steps}
 
 
+def _backward_all_reduces() -> dict:
+    """All-reduces in one backward against the distinct inputs of the column-parallel layers
+    ([Note: one all-reduce per shared input]: q/k/v and gate/up each share one)."""
+    import zerospeed
+    from zerospeed import comm
+    from zerospeed.comm import groups
+    from zerospeed.runtime.tensor_parallel.layers import LinearLayer
+
+    try:
+        engine, *_ = zerospeed.initialize(model=zerospeed.tp_model_init(_model("llama"), 2, torch.float32),
+                                          config=_config(0, 2))
+        inputs: list[torch.Tensor] = []
+        for module in engine.module.modules():
+            if isinstance(module, LinearLayer):
+                module.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+        ids = _batches(MICRO)[0]
+        loss = engine(input_ids=ids, labels=ids).loss
+        comm.comms_logger.configure(enabled=True, prof_all=True)
+        comm.comms_logger.reset()
+        engine.backward(loss)
+        records = [r for r in comm.comms_logger.records if r.op == "all_reduce" and r.group_size == 2]
+        return {"column_layers": len(inputs), "distinct_inputs": len({id(x) for x in inputs}),
+                "all_reduces": len(records)}
+    finally:
+        comm.comms_logger.configure(enabled=False)
+        comm.comms_logger.reset()
+        groups.reset()
+
+
 def _two_rank_runs(save_dir: str) -> dict:
-    return {"llama_stage0": _train_parity("llama", 0, 2),
+    return {"backward_all_reduces": _backward_all_reduces(),
+            "llama_stage0": _train_parity("llama", 0, 2),
             "llama_stage2": _train_parity("llama", 2, 2, save_dir, params_first=True),
             "gpt2_stage1": _train_parity("gpt2", 1, 2)}
 
@@ -160,6 +190,12 @@ def test_checkpoint_round_trip_and_16bit_save(two_ranks):
             "zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= set(result["files"])
     assert result["saved_16bit"] == 0.0 and result["reloaded"] == 0.0 and result["steps"] == STEPS
     assert result["at_tp1"] == 0.0 and result["zero_to_fp32"] == 0.0
+
+
+def test_one_backward_all_reduce_per_shared_input(two_ranks):
+    counts = two_ranks[0]["backward_all_reduces"]
+    assert counts["column_layers"] > counts["distinct_inputs"] > 0, counts
+    assert counts["all_reduces"] == counts["distinct_inputs"], counts
 
 
 def _four_rank_run() -> dict:

@@ -20,6 +20,7 @@ DeepSpeed's flag ``param.tensor_model_parallel = True``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _shared_input_copy.clear()   # the forward is over: release the entry's reference
         grad = grad.contiguous()
         comm.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -96,6 +98,43 @@ class _GatherFromRegion(torch.autograd.Function):
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _CopyToRegion.apply(x, group)
+
+
+class _SharedInputCopy:
+    """[Note: one all-reduce per shared input]
+    Column-parallel layers that read the same tensor (q/k/v of an attention block, gate/up of a
+    gated MLP) would each all-reduce their own input gradient in backward; the sum of those
+    all-reduces is the all-reduce of the sum. So consecutive column layers reuse one
+    `copy_to_tensor_parallel_region` node for the same input: autograd adds their gradients first
+    and the node all-reduces once (5 backward all-reduces per Llama block become 2).
+
+    The entry is valid while the input is the same object (a weak reference: it never keeps the
+    input alive) and unmodified (its version counter). The copy itself must be held strongly (its
+    Python object does not outlive the layer's forward); it aliases the input's storage, which
+    the layer saves for backward anyway, and the entry is dropped when any copy's backward runs.
+    """
+
+    def __init__(self) -> None:
+        self._input: weakref.ref[torch.Tensor] | None = None
+        self._copy: torch.Tensor | None = None
+        self._version = -1
+        self._group: Any = None
+
+    def __call__(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x   # no gradient to reduce: the copy is the identity
+        if (self._copy is not None and self._input is not None and self._input() is x
+                and x._version == self._version and group is self._group):
+            return self._copy
+        self._copy = copy_to_tensor_parallel_region(x, group)
+        self._input, self._version, self._group = weakref.ref(x), x._version, group
+        return self._copy
+
+    def clear(self) -> None:
+        self._input = self._copy = self._group = None
+
+
+_shared_input_copy = _SharedInputCopy()
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -163,7 +202,7 @@ class LinearLayer(_TensorParallelLinear):
         self.bias = None if bias is None else _shard_param(bias, TPShard(0, fused_parts, self.tp_size, self.tp_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(copy_to_tensor_parallel_region(x, self.group))
+        out = self._matmul(_shared_input_copy(x, self.group))  # [Note: one all-reduce per shared input]
         if self.bias is not None:
             out = out + self.bias
         return gather_from_tensor_parallel_region(out, self.group) if self.gather_output else out
