@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import engine_kit as kit
 import torch
 
 STEPS = 3
@@ -24,24 +25,14 @@ class Net(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
 
 
-def _config(stage: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                         "warmup_num_steps": 10}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 1000, **extra}
-
-
 def _engine(ds, stage: int = 0, model: torch.nn.Module | None = None, **extra):
-    torch.manual_seed(0)
-    model = model or Net()
-    engine, *_ = ds.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                               config=_config(stage, **extra))
-    return engine
+    warmup = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+    ds_config = kit.config({"stage": stage}, **{"gradient_accumulation_steps": 2, "scheduler": warmup, **extra})
+    return kit.engine(ds, lambda: model or Net(), ds_config)
 
 
 def _batch(ctx, step: int, rows: int = 2):
-    generator = torch.Generator().manual_seed(100 * step + ctx.rank)
+    generator = kit.generator(ctx, step)
     return torch.randn(rows, 4, generator=generator), torch.randn(rows, 2, generator=generator)
 
 
@@ -53,10 +44,6 @@ def _train(engine, ctx, steps: int = STEPS) -> list[float]:
         engine.step()
         losses.append(round(loss.item(), 6))
     return losses
-
-
-def _params(ctx, engine) -> dict[str, str]:
-    return {name: ctx.digest(p) for name, p in engine.module.named_parameters()}
 
 
 def batch_sizes(ds, ctx) -> dict:
@@ -80,7 +67,7 @@ def accumulation_boundary(ds, ctx) -> dict:
         seen.append(engine.is_gradient_accumulation_boundary())
         engine.backward(engine(*_batch(ctx, step)))
         engine.step()
-    return {"boundaries": seen, "global_steps": engine.global_steps, "params": _params(ctx, engine)}
+    return {"boundaries": seen, "global_steps": engine.global_steps, "params": kit.param_digests(ctx, engine)}
 
 
 def backward_options(ds, ctx) -> dict:
@@ -116,7 +103,7 @@ def no_sync(ds, ctx) -> dict:
             continue
         engine.backward(engine(*_batch(ctx, 1)))  # the boundary: reduces what no_sync accumulated
         engine.step()
-        out[f"stage{stage}_after_step"] = _params(ctx, engine)
+        out[f"stage{stage}_after_step"] = kit.param_digests(ctx, engine)
     return out
 
 
@@ -137,7 +124,7 @@ def checkpoint_options(ds, ctx) -> dict:
     _train(engine, ctx)
     engine.save_checkpoint(root, tag="no_latest", save_latest=False)
     engine.save_checkpoint(root, tag="kept")
-    out = {"files": ctx.files(root), "trained": _params(ctx, engine), "lr": engine.get_lr()}
+    out = {"files": ctx.files(root), "trained": kit.param_digests(ctx, engine), "lr": engine.get_lr()}
     for name, kwargs in {"module_only": {"load_module_only": True},
                          "no_optimizer": {"load_optimizer_states": False},
                          "no_scheduler": {"load_lr_scheduler_states": False},
@@ -145,12 +132,12 @@ def checkpoint_options(ds, ctx) -> dict:
         fresh = _engine(ds)
         _train(fresh, ctx, steps=1)  # some state of its own, to see what a load replaces
         path, _ = fresh.load_checkpoint(root, tag="kept", **kwargs)
-        out[name] = {"path": os.path.basename(str(path)), "params": _params(ctx, fresh), "lr": fresh.get_lr(),
+        out[name] = {"path": os.path.basename(str(path)), "params": kit.param_digests(ctx, fresh), "lr": fresh.get_lr(),
                      "global_steps": fresh.global_steps, "then": _train(fresh, ctx, steps=1)}
     calls = []
     custom = _engine(ds)
     custom.load_checkpoint(root, tag="kept", custom_load_fn=lambda src, dst: calls.append(sorted(src)))
-    out["custom_load_fn"] = {"calls": calls, "params": _params(ctx, custom)}
+    out["custom_load_fn"] = {"calls": calls, "params": kit.param_digests(ctx, custom)}
     return out
 
 
@@ -189,7 +176,7 @@ def frozen_and_16bit(ds, ctx) -> dict:
     module_keys = sorted(torch.load(module_file, map_location="cpu", weights_only=False)["module"])
     saved = torch.load(ctx.path("fp16_model", "model.bin"), map_location="cpu", weights_only=False)
     return {"module_keys": module_keys, "fp16_model": {k: ctx.digest(v) for k, v in sorted(saved.items())},
-            "params": _params(ctx, engine)}
+            "params": kit.param_digests(ctx, engine)}
 
 
 def tag_validation(ds, ctx) -> dict:
@@ -233,10 +220,4 @@ CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, 
 
 
 def main(ds, ctx) -> dict:
-    result = {}
-    for check in CHECKS:
-        try:
-            result[check.__name__] = check(ds, ctx)
-        except Exception as error:  # noqa: BLE001 - reported per check, compared by the test
-            result[check.__name__] = {"raised": f"{type(error).__name__}: {str(error)[:300]}"}
-    return result
+    return kit.run_checks(CHECKS, ds, ctx)
