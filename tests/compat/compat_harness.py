@@ -8,7 +8,7 @@ where `ds` is the implementation under test (the `deepspeed` package, or `zerosp
 (`RankContext`) gives the rank, a shared work directory, `ctx.submodule("utils.zero_to_fp32")`
 (the same dotted path in either package) and helpers that turn tensors into JSON. `main` returns
 a JSON-serialisable dict; `run_script` returns one per rank. A script may import helper modules
-that sit beside it (scripts/engine_kit.py). An exception that escapes `main`
+that sit beside it (scripts/engine_kit.py, scripts/tiny_llama.py). An exception that escapes `main`
 fails the run with every rank's traceback; a script that wants to compare error types catches
 them itself (`ctx.error_name`).
 
