@@ -112,6 +112,8 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
         except subprocess.TimeoutExpired:
             for other in procs:   # the others may wait in a collective for the stuck rank
                 other.kill()
+            for other in procs:   # dead before the locks are judged: a dying holder still holds
+                other.wait()
             from deepspeed_extensions import clear_stale_locks
 
             clear_stale_locks()   # a killed DeepSpeed rank may have held an op's build lock
