@@ -80,10 +80,14 @@ def test_no_sync(results):
 
 def test_tag_validation(results):
     """A tag that differs between ranks: DeepSpeed raises an AssertionError under "Fail" and, under
-    "Warn"/"Ignore", writes each rank's files into its own tag; zerospeed raises ValueError in every
-    mode (one atomic commit cannot span several tags)."""
+    "Warn", writes each rank's files into its own tag; zerospeed raises ValueError in both (one
+    atomic commit cannot span several tags). Neither compares under "Ignore" (no all-reduce);
+    under "Warn" and "Fail" DeepSpeed all-reduces twice per save, zerospeed once."""
     deepspeed, zerospeed = results
     for rank in range(2):
-        assert deepspeed[rank]["tag_validation"] == {"Ignore": None, "Warn": None, "Fail": "AssertionError"}
-        assert zerospeed[rank]["tag_validation"] == {"Ignore": "ValueError", "Warn": "ValueError",
-                                                     "Fail": "ValueError"}
+        assert deepspeed[rank]["tag_validation"] == {"Ignore": {"all_reduces": 0, "mismatch": None},
+                                                     "Warn": {"all_reduces": 2, "mismatch": None},
+                                                     "Fail": {"all_reduces": 2, "mismatch": "AssertionError"}}
+        assert zerospeed[rank]["tag_validation"] == {"Ignore": {"all_reduces": 0, "mismatch": None},
+                                                     "Warn": {"all_reduces": 1, "mismatch": "ValueError"},
+                                                     "Fail": {"all_reduces": 1, "mismatch": "ValueError"}}

@@ -180,11 +180,22 @@ def frozen_and_16bit(ds, ctx) -> dict:
 
 
 def tag_validation(ds, ctx) -> dict:
+    """Per checkpoint.tag_validation mode: the torch.distributed all-reduces of one save under one
+    tag, and what a save under a tag that differs between ranks raises. Not under "Ignore", which
+    compares nothing: zerospeed's ranks would then wait for each other's directories."""
     out = {}
     for mode in ("Ignore", "Warn", "Fail"):
         engine = _engine(ds, checkpoint={"tag_validation": mode})
-        tag = f"rank{ctx.rank}"
-        out[mode] = ctx.error_name(engine.save_checkpoint, ctx.path(f"tags_{mode}"), tag=tag)
+        calls = []
+        all_reduce = torch.distributed.all_reduce
+        torch.distributed.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
+        try:
+            engine.save_checkpoint(ctx.path(f"tags_{mode}"), tag="same")
+        finally:
+            torch.distributed.all_reduce = all_reduce
+        mismatch = None if mode == "Ignore" else ctx.error_name(engine.save_checkpoint, ctx.path(f"tags_{mode}"),
+                                                                 tag=f"rank{ctx.rank}")
+        out[mode] = {"all_reduces": len(calls), "mismatch": mismatch}
     return out
 
 
