@@ -5,7 +5,8 @@ backward(retain_graph=, scale_wrt_gas=), step(lr_kwargs=), no_sync, deepspeed_io
 dataloader_drop_last, save_checkpoint(save_latest=, exclude_frozen_parameters=), save_fp16_model,
 bf16.check_grad_overflow, stage3_model_persistence_threshold,
 load_checkpoint(load_module_only=, load_optimizer_states=, load_lr_scheduler_states=,
-load_module_strict=, custom_load_fn=) and checkpoint.tag_validation: every result equals
+load_module_strict=, custom_load_fn=), checkpoint.tag_validation and the one-line config getters
+(`zero_reduce_bucket_size()` and the like, scripts/engine_surface.py ACCESSORS): every result equals
 DeepSpeed's except the differences listed in docs/compatibility.md, which are asserted here.
 """
 
@@ -27,9 +28,11 @@ def results(tmp_path_factory):
 
 # bf16_overflow_check: an infinite loss skips the step with bf16.check_grad_overflow and leaves
 # non-finite weights without it, in both. model_persistence: the same parameters kept whole under
-# each stage3_model_persistence_threshold. (load_from_fp32_weights: test_config_keys_compat.py.)
+# each stage3_model_persistence_threshold. config_accessors: DeepSpeed's one-line config getters
+# (zero_reduce_bucket_size() and the like) exist and return DeepSpeed's values, under the defaults
+# and under non-default keys. (load_from_fp32_weights: test_config_keys_compat.py.)
 SAME = ["batch_sizes", "accumulation_boundary", "step_lr_kwargs", "data_loader", "load_strictness",
-        "frozen_and_16bit", "bf16_overflow_check", "model_persistence"]
+        "frozen_and_16bit", "bf16_overflow_check", "model_persistence", "config_accessors"]
 
 
 @pytest.mark.parametrize("check", SAME)

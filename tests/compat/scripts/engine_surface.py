@@ -7,6 +7,7 @@ all ranks alike, so a failing call never leaves a rank waiting in a collective.
 
 from __future__ import annotations
 
+import enum
 import os
 
 import engine_kit as kit
@@ -225,9 +226,68 @@ def model_persistence(ds, ctx) -> dict:
     return out
 
 
+# DeepSpeed's one-line config getters (zerospeed/runtime/engine_accessors.py), read on two configs.
+ACCESSORS = [
+    "zero_allgather_bucket_size", "zero_allgather_partitions", "zero_allgather_sequential", "zero_compute_grad_norm",
+    "zero_contiguous_gradients", "zero_elastic_checkpoint", "zero_hpz_partition_size", "zero_ignore_unused_parameters",
+    "zero_legacy_stage1", "zero_load_from_fp32_weights", "zero_log_trace_cache_warnings", "zero_max_live_parameters",
+    "zero_max_reuse_distance", "zero_model_persistence_threshold", "zero_module_granularity_threshold",
+    "zero_multi_rank_bucket_allreduce", "zero_offload_optimizer", "zero_offload_param", "zero_overlap_comm",
+    "zero_param_persistence_threshold", "zero_parameter_alignment", "zero_prefetch_bucket_size",
+    "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "zero_quantized_weights",
+    "zero_reduce_bucket_size", "zero_reduce_scatter", "zero_round_robin_gradients",
+    "zero_save_muon_momentum_buffer_in_memory", "zero_sub_group_size", "zenflow_config", "is_sanity_checks_enabled",
+    "zero_cpu_offload", "zero_use_cpu_optimizer", "zero_partial_offload", "super_offload", "cpuadam_cores_perc",
+    "zero_nvme_offload_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization", "zero_optimization_stage",
+    "zero_optimization_partition_gradients", "zero_optimization_partition_weights", "zero_allow_untested_optimizer",
+    "optimizer_name", "optimizer_params", "optimizer_legacy_fusion", "scheduler_name", "scheduler_params",
+    "initial_dynamic_scale", "dynamic_loss_scale_args", "fp16_master_weights_and_gradients",
+    "bf16_master_weights_and_gradients", "bf16_optimizer_states", "dump_state", "managed_gradient_accumulation",
+    "checkpoint_tag_validation_enabled", "checkpoint_tag_validation_fail", "checkpoint_serialization_enabled",
+    "checkpoint_writer_enabled", "load_universal_checkpoint", "use_node_local_storage",
+    "flops_profiler_enabled", "flops_profiler_profile_step", "flops_profiler_module_depth",
+    "flops_profiler_top_modules", "flops_profiler_detailed", "flops_profiler_output_file",
+    "flops_profiler_recompute_fwd_factor",
+]
+
+
+def _plain(value):
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return type(value).__name__
+
+
+def config_accessors(ds, ctx) -> dict:
+    """Each accessor's value under the defaults (stage 0) and under non-default keys (stage 3)."""
+    zero = {"stage": 3, "reduce_bucket_size": 1234, "allgather_bucket_size": 4321, "overlap_comm": False,
+            "contiguous_gradients": False, "sub_group_size": 1000, "stage3_max_live_parameters": 10**6,
+            "stage3_max_reuse_distance": 10**5, "stage3_prefetch_bucket_size": 500,
+            "stage3_param_persistence_threshold": 7, "stage3_model_persistence_threshold": 99,
+            "stage3_allgather_sequential": True, "load_from_fp32_weights": False, "ignore_unused_parameters": False,
+            "log_trace_cache_warnings": True, "use_multi_rank_bucket_allreduce": False}
+    custom = {"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
+              "checkpoint": {"tag_validation": "fail", "use_node_local_storage": True},
+              "fp16": {"enabled": False, "initial_scale_power": 10},
+              "flops_profiler": {"enabled": False, "profile_step": 3, "module_depth": 2, "top_modules": 4,
+                                 "detailed": False, "output_file": "flops.txt"}}
+    out = {}
+    for name, engine in (("defaults", _engine(ds)), ("custom", _engine(ds, 3, **custom))):
+        out[name] = {}
+        for accessor in ACCESSORS:
+            method = getattr(type(engine), accessor, None)
+            out[name][accessor] = _plain(method(engine)) if callable(method) else "missing"
+    return out
+
+
 CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, no_sync, data_loader,
           checkpoint_options, load_strictness, frozen_and_16bit, tag_validation, bf16_overflow_check,
-          model_persistence]
+          model_persistence, config_accessors]
 
 
 def main(ds, ctx) -> dict:
