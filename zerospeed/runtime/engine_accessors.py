@@ -129,8 +129,13 @@ class EngineAccessors:
     def initial_dynamic_scale(self) -> float:
         return self._config.initial_dynamic_scale
 
-    def dynamic_loss_scale_args(self) -> dict[str, Any] | None:
-        return self._config.dynamic_loss_scale_args
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """The fp16 section's dynamic-scaler arguments, fp16 on or off (DeepSpeed's; the engine itself
+        reads `_config.dynamic_loss_scale_args`, None unless dynamic fp16 scaling is on)."""
+        fp16 = self._config.fp16
+        return {"init_scale": 2**fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
+                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                "min_scale": fp16.min_loss_scale}
 
     def fp16_master_weights_and_gradients(self) -> bool:
         return self._config.fp16_master_weights_and_gradients
