@@ -28,11 +28,9 @@ def results(tmp_path_factory):
 
 # bf16_overflow_check: an infinite loss skips the step with bf16.check_grad_overflow and leaves
 # non-finite weights without it, in both. model_persistence: the same parameters kept whole under
-# each stage3_model_persistence_threshold. config_accessors: DeepSpeed's one-line config getters
-# (zero_reduce_bucket_size() and the like) exist and return DeepSpeed's values, under the defaults
-# and under non-default keys. (load_from_fp32_weights: test_config_keys_compat.py.)
+# each stage3_model_persistence_threshold. (load_from_fp32_weights: test_config_keys_compat.py.)
 SAME = ["batch_sizes", "accumulation_boundary", "step_lr_kwargs", "data_loader", "load_strictness",
-        "frozen_and_16bit", "bf16_overflow_check", "model_persistence", "config_accessors"]
+        "frozen_and_16bit", "bf16_overflow_check", "model_persistence"]
 
 
 @pytest.mark.parametrize("check", SAME)
@@ -41,6 +39,20 @@ def test_same_as_deepspeed(results, check):
     for rank in range(2):
         assert "raised" not in deepspeed[rank][check], deepspeed[rank][check]
         assert zerospeed[rank][check] == deepspeed[rank][check], f"rank {rank}"
+
+
+def test_config_accessors_as_deepspeed(results):
+    """DeepSpeed's one-line config getters (zero_reduce_bucket_size() and the like) exist and return
+    DeepSpeed's values, under the defaults and under non-default keys."""
+    deepspeed, zerospeed = results
+    for rank in range(2):
+        ours, theirs = zerospeed[rank]["config_accessors"], deepspeed[rank]["config_accessors"]
+        assert "raised" not in theirs and "raised" not in ours, (ours, theirs)
+        for config in ("defaults", "custom"):
+            assert "missing" not in theirs[config].values(), theirs[config]
+            differ = {name: (value, theirs[config][name]) for name, value in ours[config].items()
+                      if value != theirs[config][name]}
+            assert not differ, f"rank {rank}, {config} config, (zerospeed, DeepSpeed): {differ}"
 
 
 def test_checkpoint_load_options_as_deepspeed(results):

@@ -196,7 +196,6 @@ class EngineAccessors:
     zero_overlap_comm = _zero_key("overlap_comm")
     zero_param_persistence_threshold = _zero_key("param_persistence_threshold")
     zero_parameter_alignment = _zero_key("parameter_alignment")
-    zero_prefetch_bucket_size = _zero_key("prefetch_bucket_size")
     zero_quantized_gradients = _zero_key("zero_quantized_gradients")
     zero_quantized_nontrainable_weights = _zero_key("zero_quantized_nontrainable_weights")
     zero_quantized_weights = _zero_key("zero_quantized_weights")
@@ -207,6 +206,13 @@ class EngineAccessors:
     zero_sub_group_size = _zero_key("sub_group_size")
     zenflow_config = _zero_key("zenflow")
     is_sanity_checks_enabled = _zero_key("enable_sanity_checks")
+
+    def zero_prefetch_bucket_size(self) -> int:
+        """1 under stage3_allgather_sequential at stage 3, what the prefetcher then uses (DeepSpeed
+        rewrites the key so); else the key."""
+        zero = self._config.zero_config
+        sequential = zero.allgather_sequential and self.zero_optimization_partition_weights()
+        return 1 if sequential else zero.prefetch_bucket_size
 
     def zero_cpu_offload(self) -> bool:
         return self._config.zero_config.offload_optimizer_device.value == "cpu"

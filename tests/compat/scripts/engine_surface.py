@@ -265,7 +265,7 @@ def _plain(value):
 
 def config_accessors(ds, ctx) -> dict:
     """Each accessor's value under the defaults (stage 0) and under non-default keys (stage 3)."""
-    zero = {"stage": 3, "reduce_bucket_size": 1234, "allgather_bucket_size": 4321, "overlap_comm": False,
+    zero = {"stage": 3, "reduce_bucket_size": 1234, "allgather_bucket_size": 4322, "overlap_comm": False,
             "contiguous_gradients": False, "sub_group_size": 1000, "stage3_max_live_parameters": 10**6,
             "stage3_max_reuse_distance": 10**5, "stage3_prefetch_bucket_size": 500,
             "stage3_param_persistence_threshold": 7, "stage3_model_persistence_threshold": 99,
