@@ -180,6 +180,23 @@ def frozen_and_16bit(ds, ctx) -> dict:
             "params": kit.param_digests(ctx, engine)}
 
 
+def _all_reduces_during(fn, *args, **kwargs) -> int:
+    """How many torch.distributed.all_reduce calls `fn` makes (both libraries' comm layers end there)."""
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counting(*a, **k):
+        calls.append(1)
+        return all_reduce(*a, **k)
+
+    torch.distributed.all_reduce = counting
+    try:
+        fn(*args, **kwargs)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    return len(calls)
+
+
 def tag_validation(ds, ctx) -> dict:
     """Per checkpoint.tag_validation mode: the torch.distributed all-reduces of one save under one
     tag, and what a save under a tag that differs between ranks raises. Not under "Ignore", which
@@ -187,16 +204,10 @@ def tag_validation(ds, ctx) -> dict:
     out = {}
     for mode in ("Ignore", "Warn", "Fail"):
         engine = _engine(ds, checkpoint={"tag_validation": mode})
-        calls = []
-        all_reduce = torch.distributed.all_reduce
-        torch.distributed.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
-        try:
-            engine.save_checkpoint(ctx.path(f"tags_{mode}"), tag="same")
-        finally:
-            torch.distributed.all_reduce = all_reduce
+        all_reduces = _all_reduces_during(engine.save_checkpoint, ctx.path(f"tags_{mode}"), tag="same")
         mismatch = None if mode == "Ignore" else ctx.error_name(engine.save_checkpoint, ctx.path(f"tags_{mode}"),
                                                                  tag=f"rank{ctx.rank}")
-        out[mode] = {"all_reduces": len(calls), "mismatch": mismatch}
+        out[mode] = {"all_reduces": all_reduces, "mismatch": mismatch}
     return out
 
 
