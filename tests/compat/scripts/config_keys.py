@@ -18,13 +18,11 @@ import torch
 STEPS = 2
 
 
-class Probe(torch.nn.Module):
+class Probe(kit.Net):
     """Records the dtypes forward receives; casts to its own dtype so that every setting runs."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
         self.seen: list[dict[str, str]] = []
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:

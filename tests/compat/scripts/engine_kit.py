@@ -1,5 +1,5 @@
-"""What the one-engine compat scripts (engine_surface.py, config_keys.py) share: the config, the
-seeded engine, each rank's batches, parameter digests and the per-check runner.
+"""What the one-engine compat scripts (engine_surface.py, config_keys.py) share: the model, the
+config, the seeded engine, each rank's batches, parameter digests and the per-check runner.
 
 Library-neutral like the scripts themselves: `ds` is `deepspeed` or `zerospeed`.
 """
@@ -12,6 +12,18 @@ from typing import Any
 import torch
 
 MICRO_BATCH = 2
+
+
+class Net(torch.nn.Module):
+    """Two linear layers with a tanh between them, mean-squared error against `y`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
 
 
 def config(zero: dict, **extra: Any) -> dict:

@@ -16,20 +16,10 @@ import torch
 STEPS = 3
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
-
 def _engine(ds, stage: int = 0, model: torch.nn.Module | None = None, **extra):
     warmup = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
     ds_config = kit.config({"stage": stage}, **{"gradient_accumulation_steps": 2, "scheduler": warmup, **extra})
-    return kit.engine(ds, lambda: model or Net(), ds_config)
+    return kit.engine(ds, lambda: model or kit.Net(), ds_config)
 
 
 def _batch(ctx, step: int, rows: int = 2):
@@ -142,7 +132,7 @@ def checkpoint_options(ds, ctx) -> dict:
     return out
 
 
-class Extended(Net):
+class Extended(kit.Net):
     def __init__(self) -> None:
         super().__init__()
         self.extra = torch.nn.Linear(2, 2)
@@ -166,7 +156,7 @@ def load_strictness(ds, ctx) -> dict:
 
 def frozen_and_16bit(ds, ctx) -> dict:
     root = ctx.path("frozen")
-    model = Net()
+    model = kit.Net()
     model.a.requires_grad_(False)
     engine = _engine(ds, model=model)
     _train(engine, ctx, steps=1)
