@@ -208,7 +208,8 @@ def _rank_main(spec_path: str, out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=ctx.rank,
                             world_size=ctx.world_size)
     library = importlib.import_module(impl)
-    sys.path.insert(0, os.path.dirname(spec["script"]))  # a script may import the helpers beside it
+    # a script may import the helpers beside it; last, so that no script shadows an installed module
+    sys.path.append(os.path.dirname(spec["script"]))
     script_spec = importlib.util.spec_from_file_location("compat_script", spec["script"])
     script = importlib.util.module_from_spec(script_spec)
     script_spec.loader.exec_module(script)
