@@ -18,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -242,15 +242,26 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
                          [statistics.median(p[i] for p in phase_times) for i in range(3)], dtype=torch.float64)
     gathered = [torch.zeros_like(stats) for _ in range(spec.world_size)]
     dist.all_gather(gathered, stats)
+    result = None
     if rank == 0:
         table = torch.stack(gathered)
-        results.put(RunResult(spec.label, float(table[:, 0].max()), float(table[:, 1].max()),
-                              float(table[:, 2].max()), float(table[:, 3].max()) / 2**20,
-                              float(table[:, 4].mean()), tuple(float(table[:, i].max()) for i in (5, 6, 7))))
+        result = RunResult(spec.label, float(table[:, 0].max()), float(table[:, 1].max()),
+                           float(table[:, 2].max()), float(table[:, 3].max()) / 2**20,
+                           float(table[:, 4].mean()), tuple(float(table[:, i].max()) for i in (5, 6, 7)))
+    finish_rank(results, result)
+
+
+def finish_rank(results: Any, item: Any = None) -> NoReturn:
+    """End a benchmark rank: put `item` (unless None) on the `results` queue, wait for the other
+    ranks, and leave with os._exit, which skips gloo's teardown (it intermittently aborts at exit;
+    docs/testing.md). os._exit also skips the queue's flush at exit, and `put` only hands the item
+    to a feeder thread: without close + join_thread the item can die with the process."""
+    if item is not None:
+        results.put(item)
         results.close()
-        results.join_thread()  # flush the queue's feeder thread before os._exit
+        results.join_thread()
     dist.barrier()
-    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit; docs/testing.md)
+    os._exit(0)
 
 
 def run(spec: RunSpec) -> RunResult:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from harness import finish_rank
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
@@ -56,9 +58,7 @@ def _worker(rank: int, init_file: str, results: Any) -> None:
             losses.append(float(loss.item()).hex())
         norm = engine.get_global_grad_norm()
         lines.append(f"stage={stage} clip={clip} rank={rank} norm={float(norm).hex()} losses={' '.join(losses)}")
-    results.put((rank, lines))
-    dist.barrier()
-    os._exit(0)
+    finish_rank(results, (rank, lines))
 
 
 def main() -> None:

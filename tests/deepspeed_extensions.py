@@ -8,9 +8,11 @@ for it without a timeout. A process killed while holding it (a timed-out test, a
 its peer failed) leaves the lock behind, and every later DeepSpeed launch then waits forever; and
 several launches started together on a fresh machine all compile at once on two cores.
 
-So the suite pins one directory of its own, clears the locks left in it at the start of each
-session (nobody else builds there), and builds the collective op once, before any side-by-side
-launch. `ZS_COMPAT_EXTENSIONS_DIR` overrides the directory.
+So the suite pins one directory of its own, clears the stale locks in it at the start of each
+session and after killing a launch, and builds the collective op once, before any side-by-side
+launch. Stale means the holder is dead (build_locks.py): concurrent pytest sessions of one user
+share the directory, and another session's live build keeps its lock.
+`ZS_COMPAT_EXTENSIONS_DIR` overrides the directory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 import subprocess
 import sys
 import threading
+
+from build_locks import remove_stale_locks
 
 DEEPSPEED_VERSION = "0.19.8"
 EXTENSIONS_DIR = os.environ.get("ZS_COMPAT_EXTENSIONS_DIR") or os.path.join(
@@ -72,16 +76,10 @@ def deepspeed_env() -> dict[str, str]:
 
 
 def clear_stale_locks() -> list[str]:
-    """Remove the build locks under EXTENSIONS_DIR; call only when no DeepSpeed process of this
-    suite is loading an op (session start, or after the suite killed such processes)."""
-    removed = []
-    for lock in glob.glob(os.path.join(EXTENSIONS_DIR, "*", "lock")):
-        try:
-            os.remove(lock)
-            removed.append(lock)
-        except FileNotFoundError:
-            pass
-    return removed
+    """Remove the build locks under EXTENSIONS_DIR whose holder has died; a lock some live process
+    holds (this session's or another's) stays. After killing a launch, wait for its processes to
+    be gone first: a dying holder still holds."""
+    return remove_stale_locks(glob.glob(os.path.join(EXTENSIONS_DIR, "*", "lock")))
 
 
 def prepare_deepspeed_ops() -> None:

@@ -7,7 +7,8 @@ A compat script is written once against DeepSpeed's public API. It is a Python f
 where `ds` is the implementation under test (the `deepspeed` package, or `zerospeed`) and `ctx`
 (`RankContext`) gives the rank, a shared work directory, `ctx.submodule("utils.zero_to_fp32")`
 (the same dotted path in either package) and helpers that turn tensors into JSON. `main` returns
-a JSON-serialisable dict; `run_script` returns one per rank. An exception that escapes `main`
+a JSON-serialisable dict; `run_script` returns one per rank. A script may import helper modules
+that sit beside it (scripts/engine_kit.py, scripts/tiny_llama.py). An exception that escapes `main`
 fails the run with every rank's traceback; a script that wants to compare error types catches
 them itself (`ctx.error_name`).
 
@@ -111,6 +112,8 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
         except subprocess.TimeoutExpired:
             for other in procs:   # the others may wait in a collective for the stuck rank
                 other.kill()
+            for other in procs:   # dead before the locks are judged: a dying holder still holds
+                other.wait()
             from deepspeed_extensions import clear_stale_locks
 
             clear_stale_locks()   # a killed DeepSpeed rank may have held an op's build lock
@@ -205,6 +208,8 @@ def _rank_main(spec_path: str, out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=ctx.rank,
                             world_size=ctx.world_size)
     library = importlib.import_module(impl)
+    # a script may import the helpers beside it; last, so that no script shadows an installed module
+    sys.path.append(os.path.dirname(spec["script"]))
     script_spec = importlib.util.spec_from_file_location("compat_script", spec["script"])
     script = importlib.util.module_from_spec(script_spec)
     script_spec.loader.exec_module(script)

@@ -5,7 +5,8 @@ backward(retain_graph=, scale_wrt_gas=), step(lr_kwargs=), no_sync, deepspeed_io
 dataloader_drop_last, save_checkpoint(save_latest=, exclude_frozen_parameters=), save_fp16_model,
 bf16.check_grad_overflow, stage3_model_persistence_threshold,
 load_checkpoint(load_module_only=, load_optimizer_states=, load_lr_scheduler_states=,
-load_module_strict=, custom_load_fn=) and checkpoint.tag_validation: every result equals
+load_module_strict=, custom_load_fn=), checkpoint.tag_validation and the one-line config getters
+(`zero_reduce_bucket_size()` and the like, scripts/engine_surface.py ACCESSORS): every result equals
 DeepSpeed's except the differences listed in docs/compatibility.md, which are asserted here.
 """
 
@@ -38,6 +39,20 @@ def test_same_as_deepspeed(results, check):
     for rank in range(2):
         assert "raised" not in deepspeed[rank][check], deepspeed[rank][check]
         assert zerospeed[rank][check] == deepspeed[rank][check], f"rank {rank}"
+
+
+def test_config_accessors_as_deepspeed(results):
+    """DeepSpeed's one-line config getters (zero_reduce_bucket_size() and the like) exist and return
+    DeepSpeed's values, under the defaults and under non-default keys."""
+    deepspeed, zerospeed = results
+    for rank in range(2):
+        ours, theirs = zerospeed[rank]["config_accessors"], deepspeed[rank]["config_accessors"]
+        assert "raised" not in theirs and "raised" not in ours, (ours, theirs)
+        for config in ("defaults", "custom"):
+            assert "missing" not in theirs[config].values(), theirs[config]
+            differ = {name: (value, theirs[config][name]) for name, value in ours[config].items()
+                      if value != theirs[config][name]}
+            assert not differ, f"rank {rank}, {config} config, (zerospeed, DeepSpeed): {differ}"
 
 
 def test_checkpoint_load_options_as_deepspeed(results):
@@ -80,10 +95,14 @@ def test_no_sync(results):
 
 def test_tag_validation(results):
     """A tag that differs between ranks: DeepSpeed raises an AssertionError under "Fail" and, under
-    "Warn"/"Ignore", writes each rank's files into its own tag; zerospeed raises ValueError in every
-    mode (one atomic commit cannot span several tags)."""
+    "Warn", writes each rank's files into its own tag; zerospeed raises ValueError in both (one
+    atomic commit cannot span several tags). Neither compares under "Ignore" (no all-reduce);
+    under "Warn" and "Fail" DeepSpeed all-reduces twice per save, zerospeed once."""
     deepspeed, zerospeed = results
     for rank in range(2):
-        assert deepspeed[rank]["tag_validation"] == {"Ignore": None, "Warn": None, "Fail": "AssertionError"}
-        assert zerospeed[rank]["tag_validation"] == {"Ignore": "ValueError", "Warn": "ValueError",
-                                                     "Fail": "ValueError"}
+        assert deepspeed[rank]["tag_validation"] == {"Ignore": {"all_reduces": 0, "mismatch": None},
+                                                     "Warn": {"all_reduces": 2, "mismatch": None},
+                                                     "Fail": {"all_reduces": 2, "mismatch": "AssertionError"}}
+        assert zerospeed[rank]["tag_validation"] == {"Ignore": {"all_reduces": 0, "mismatch": None},
+                                                     "Warn": {"all_reduces": 1, "mismatch": "ValueError"},
+                                                     "Fail": {"all_reduces": 1, "mismatch": "ValueError"}}

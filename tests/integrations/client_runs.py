@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from deepspeed_extensions import clear_stale_locks, deepspeed_env, prepare_deepspeed_ops
 
@@ -70,11 +71,23 @@ def run(cmd: list[str], alias: str | None, cwd: str, timeout_s: float = 600.0) -
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
+        _wait_until_gone(proc.pid)   # a dying rank still holds its build lock
         clear_stale_locks()
         raise AssertionError(f"{_side(alias)}: {' '.join(cmd)} ran over {timeout_s:.0f} s:\n{output[-6000:]}") from None
     if proc.returncode != 0:
         raise AssertionError(f"{_side(alias)}: {' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def _wait_until_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """Until no process of the killed group `pgid` is left (or `timeout_s` has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def _side(alias: str | None) -> str:

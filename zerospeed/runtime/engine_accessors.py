@@ -1,15 +1,42 @@
-"""DeepSpeed's one-line engine accessors, kept out of engine.py so that file holds behaviour only."""
+"""DeepSpeed's one-line engine accessors, kept out of engine.py so that file holds behaviour only.
+
+Clients call them for the config they run under (Megatron-DeepSpeed, accelerate and user code ask
+`engine.zero_reduce_bucket_size()` and the like); tests/compat/test_engine_surface.py compares
+their values with DeepSpeed 0.19.8's.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
+def _zero_key(key: str) -> Callable[[Any], Any]:
+    """An accessor returning `zero_optimization.<key>` (DeepSpeed's `zero_*()` getters, one a key)."""
+
+    def accessor(self: Any) -> Any:
+        return getattr(self._config.zero_config, key)
+
+    accessor.__doc__ = f"`zero_optimization.{key}` of the ds_config."
+    return accessor
+
+
+def _flops_profiler_key(key: str) -> Callable[[Any], Any]:
+    """An accessor returning `flops_profiler.<key>` (autotuning, which could override some, is not implemented)."""
+
+    def accessor(self: Any) -> Any:
+        return getattr(self._config.flops_profiler_config, key)
+
+    accessor.__doc__ = f"`flops_profiler.{key}` of the ds_config."
+    return accessor
+
+
 class EngineAccessors:
     _config: Any
     optimizer: Any
+    basic_optimizer: Any
 
     # --- batch sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -77,6 +104,142 @@ class EngineAccessors:
 
     def dataloader_drop_last(self) -> bool:
         return self._config.dataloader_drop_last
+
+    def zero_force_ds_cpu_optimizer(self) -> bool:
+        return self._config.zero_force_ds_cpu_optimizer
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type, else the class of the client's optimizer (DeepSpeed's order)."""
+        if self._config.optimizer_name is not None:
+            return self._config.optimizer_name
+        return type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else None
+
+    def optimizer_params(self) -> dict[str, Any] | None:
+        return self._config.optimizer_params
+
+    def optimizer_legacy_fusion(self) -> bool:
+        return self._config.optimizer_legacy_fusion
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler_name
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        return self._config.scheduler_params
+
+    def initial_dynamic_scale(self) -> float:
+        return self._config.initial_dynamic_scale
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """The fp16 section's dynamic-scaler arguments, fp16 on or off (DeepSpeed's; the engine itself
+        reads `_config.dynamic_loss_scale_args`, None unless dynamic fp16 scaling is on)."""
+        fp16 = self._config.fp16
+        return {"init_scale": 2**fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
+                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                "min_scale": fp16.min_loss_scale}
+
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return self._config.fp16_master_weights_and_gradients
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self._config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self._config.bf16.bf16_optimizer_states
+
+    def dump_state(self) -> bool:
+        return self._config.dump_state
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self._config.managed_gradient_accumulation
+
+    def aio_config(self) -> Any:
+        return self._config.aio_config
+
+    # --- checkpoint -------------------------------------------------------------------------------
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return self._config.checkpoint_tag_validation_mode != "Ignore"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return self._config.checkpoint_tag_validation_mode == "Fail"
+
+    def checkpoint_serialization_enabled(self) -> bool:
+        return self._config.checkpoint_config.checkpoint_serialization
+
+    def checkpoint_writer_enabled(self) -> bool:
+        return self._config.checkpoint_config.writer is not None
+
+    def load_universal_checkpoint(self) -> bool:
+        return self._config.load_universal_checkpoint
+
+    def use_node_local_storage(self) -> bool:
+        return self._config.use_node_local_storage
+
+    # --- zero_optimization ------------------------------------------------------------------------
+    zero_allgather_bucket_size = _zero_key("allgather_bucket_size")
+    zero_allgather_partitions = _zero_key("allgather_partitions")
+    zero_allgather_sequential = _zero_key("allgather_sequential")
+    zero_compute_grad_norm = _zero_key("compute_grad_norm")
+    zero_contiguous_gradients = _zero_key("contiguous_gradients")
+    zero_elastic_checkpoint = _zero_key("elastic_checkpoint")
+    zero_hpz_partition_size = _zero_key("zero_hpz_partition_size")
+    zero_ignore_unused_parameters = _zero_key("ignore_unused_parameters")
+    zero_legacy_stage1 = _zero_key("legacy_stage1")
+    zero_load_from_fp32_weights = _zero_key("load_from_fp32_weights")
+    zero_log_trace_cache_warnings = _zero_key("log_trace_cache_warnings")
+    zero_max_live_parameters = _zero_key("max_live_parameters")
+    zero_max_reuse_distance = _zero_key("max_reuse_distance")
+    zero_model_persistence_threshold = _zero_key("model_persistence_threshold")
+    zero_module_granularity_threshold = _zero_key("module_granularity_threshold")
+    zero_multi_rank_bucket_allreduce = _zero_key("use_multi_rank_bucket_allreduce")
+    zero_offload_optimizer = _zero_key("offload_optimizer")
+    zero_offload_param = _zero_key("offload_param")
+    zero_overlap_comm = _zero_key("overlap_comm")
+    zero_param_persistence_threshold = _zero_key("param_persistence_threshold")
+    zero_parameter_alignment = _zero_key("parameter_alignment")
+    zero_quantized_gradients = _zero_key("zero_quantized_gradients")
+    zero_quantized_nontrainable_weights = _zero_key("zero_quantized_nontrainable_weights")
+    zero_quantized_weights = _zero_key("zero_quantized_weights")
+    zero_reduce_bucket_size = _zero_key("reduce_bucket_size")
+    zero_reduce_scatter = _zero_key("reduce_scatter")
+    zero_round_robin_gradients = _zero_key("round_robin_gradients")
+    zero_save_muon_momentum_buffer_in_memory = _zero_key("save_muon_momentum_buffer_in_memory")
+    zero_sub_group_size = _zero_key("sub_group_size")
+    zenflow_config = _zero_key("zenflow")
+    is_sanity_checks_enabled = _zero_key("enable_sanity_checks")
+
+    def zero_prefetch_bucket_size(self) -> int:
+        """1 under stage3_allgather_sequential at stage 3, what the prefetcher then uses (DeepSpeed
+        rewrites the key so); else the key."""
+        zero = self._config.zero_config
+        sequential = zero.allgather_sequential and self.zero_optimization_partition_weights()
+        return 1 if sequential else zero.prefetch_bucket_size
+
+    def zero_cpu_offload(self) -> bool:
+        return self._config.zero_config.offload_optimizer_device.value == "cpu"
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        return self._config.zero_config.offload_optimizer_device.value in ("cpu", "nvme")
+
+    def zero_partial_offload(self) -> float:
+        return getattr(self._config.zero_config.offload_optimizer, "ratio", 1.0)
+
+    def super_offload(self) -> bool:
+        return getattr(self._config.zero_config.offload_optimizer, "super_offload", False)
+
+    def cpuadam_cores_perc(self) -> float:
+        return getattr(self._config.zero_config.offload_optimizer, "cpuadam_cores_perc", 0.9)  # DeepSpeed's fallback
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        return getattr(self.optimizer, "swap_optimizer", False)
+
+    # --- flops_profiler -----------------------------------------------------------------------------
+    flops_profiler_enabled = _flops_profiler_key("enabled")
+    flops_profiler_profile_step = _flops_profiler_key("profile_step")
+    flops_profiler_module_depth = _flops_profiler_key("module_depth")
+    flops_profiler_top_modules = _flops_profiler_key("top_modules")
+    flops_profiler_detailed = _flops_profiler_key("detailed")
+    flops_profiler_output_file = _flops_profiler_key("output_file")
+    flops_profiler_recompute_fwd_factor = _flops_profiler_key("recompute_fwd_factor")
 
     # --- optimizer state --------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

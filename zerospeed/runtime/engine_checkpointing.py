@@ -87,17 +87,19 @@ class EngineCheckpointing:
         return None if getattr(self, "tensor_parallel", None) is not None else self.dp_group
 
     def _validate_tag(self, tag: str) -> None:
-        """Every rank must save under the same tag. DeepSpeed checks only in "Warn" and "Fail" modes
-        and, on a mismatch under "Warn" or "Ignore", writes each rank's files into its own tag:
-        a split checkpoint that loads nowhere. One atomic commit cannot span several tags (the
-        ranks would wait for each other's directories), so here a mismatch raises on every rank
-        in every mode; the modes keep their meaning for the message only."""
+        """`checkpoint.tag_validation`, as DeepSpeed: "Ignore" trusts the caller and costs nothing;
+        "Warn" and "Fail" compare the tag across the ranks (one all-reduce). On a mismatch DeepSpeed
+        only warns under "Warn" and writes each rank's files into its own tag, a split checkpoint
+        that loads nowhere; one atomic commit cannot span several tags (the ranks would wait for
+        each other's directories), so here "Warn" raises like "Fail" (docs/compatibility.md)."""
+        mode = self._config.checkpoint_tag_validation_mode
+        if mode == "Ignore":
+            return
         digest = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "big")
-        low, high = torch.tensor([digest]), torch.tensor([digest])
-        comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=self._checkpoint_group())
-        comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=self._checkpoint_group())
-        if low.item() != high.item():
-            mode = self._config.checkpoint_tag_validation_mode
+        # MAX over (digest, -digest): the largest digest and minus the smallest, in one collective.
+        bounds = torch.tensor([digest, -digest])
+        comm.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=self._checkpoint_group())
+        if bounds[0].item() != -bounds[1].item():
             hint = "" if mode == "Fail" else (f' (checkpoint.tag_validation is "{mode}", but the ranks cannot '
                                               "commit one checkpoint under different tags)")
             raise ValueError(f"checkpoint tag {tag!r} of rank {comm.get_rank()} is not the same on all "

@@ -12,18 +12,17 @@ DeepSpeed's fp16 path runs as it would on a device that has it.
 
 from __future__ import annotations
 
+import engine_kit as kit
 import torch
 
 STEPS = 2
 
 
-class Probe(torch.nn.Module):
+class Probe(kit.Net):
     """Records the dtypes forward receives; casts to its own dtype so that every setting runs."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
         self.seen: list[dict[str, str]] = []
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
@@ -34,21 +33,12 @@ class Probe(torch.nn.Module):
         return torch.nn.functional.mse_loss(out, y.to(dtype)[index])
 
 
-def _config(zero: dict, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "zero_optimization": zero, **extra}
-
-
 def _engine(ds, zero: dict, **extra):
-    torch.manual_seed(0)
-    model = Probe()
-    engine, *_ = ds.initialize(model=model, model_parameters=list(model.parameters()), config=_config(zero, **extra))
-    return engine
+    return kit.engine(ds, Probe, kit.config(zero, **extra))
 
 
 def _batch(ctx, step: int):
-    generator = torch.Generator().manual_seed(100 * step + ctx.rank)
+    generator = kit.generator(ctx, step)
     x, y = torch.randn(2, 4, generator=generator), torch.randn(2, 2, generator=generator)
     return (x, torch.tensor([1, 0]), y), {"scale": torch.full((2, 2), 0.5)}
 
@@ -64,10 +54,6 @@ def _train(engine, ctx, steps: int = STEPS, first: int = 0, cast=None) -> list[f
         engine.step()
         losses.append(loss.item())
     return losses
-
-
-def _params(ctx, engine) -> dict[str, str]:
-    return {name: ctx.digest(p) for name, p in engine.module.named_parameters()}
 
 
 def _allow_fp16_on_cpu(ds) -> None:
@@ -112,7 +98,7 @@ def fp32_weights_on_load(ds, ctx) -> dict:
                 "masters_equal_bf16_weights": all(torch.equal(m, p.float()) for (n, m), p in
                                                   zip(masters.items(), fresh.module.parameters())),
                 "then_losses": _train(fresh, ctx, steps=1, first=5, cast=torch.bfloat16),
-                "then_params": _params(ctx, fresh)}
+                "then_params": kit.param_digests(ctx, fresh)}
     return out
 
 
@@ -126,7 +112,7 @@ def allgather_knobs(ds, ctx) -> dict:
     for stage in (1, 2):
         for name, keys in settings.items():
             engine = _engine(ds, {"stage": stage, **keys})
-            out[f"stage{stage}_{name}"] = {"losses": _train(engine, ctx), "params": _params(ctx, engine)}
+            out[f"stage{stage}_{name}"] = {"losses": _train(engine, ctx), "params": kit.param_digests(ctx, engine)}
     for sequential in (False, True):
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_allgather_sequential": sequential}
         engine = _engine(ds, zero)
@@ -140,10 +126,4 @@ CHECKS = [fp16_auto_cast, fp32_weights_on_load, allgather_knobs]
 
 
 def main(ds, ctx) -> dict:
-    result = {}
-    for check in CHECKS:
-        try:
-            result[check.__name__] = check(ds, ctx)
-        except Exception as error:  # noqa: BLE001 - reported per check, compared by the test
-            result[check.__name__] = {"raised": f"{type(error).__name__}: {str(error)[:300]}"}
-    return result
+    return kit.run_checks(CHECKS, ds, ctx)

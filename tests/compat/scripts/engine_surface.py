@@ -7,41 +7,23 @@ all ranks alike, so a failing call never leaves a rank waiting in a collective.
 
 from __future__ import annotations
 
+import enum
 import os
 
+import engine_kit as kit
 import torch
 
 STEPS = 3
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
-
-def _config(stage: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                         "warmup_num_steps": 10}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 1000, **extra}
-
-
 def _engine(ds, stage: int = 0, model: torch.nn.Module | None = None, **extra):
-    torch.manual_seed(0)
-    model = model or Net()
-    engine, *_ = ds.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                               config=_config(stage, **extra))
-    return engine
+    warmup = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+    ds_config = kit.config({"stage": stage}, **{"gradient_accumulation_steps": 2, "scheduler": warmup, **extra})
+    return kit.engine(ds, lambda: model or kit.Net(), ds_config)
 
 
 def _batch(ctx, step: int, rows: int = 2):
-    generator = torch.Generator().manual_seed(100 * step + ctx.rank)
+    generator = kit.generator(ctx, step)
     return torch.randn(rows, 4, generator=generator), torch.randn(rows, 2, generator=generator)
 
 
@@ -53,10 +35,6 @@ def _train(engine, ctx, steps: int = STEPS) -> list[float]:
         engine.step()
         losses.append(round(loss.item(), 6))
     return losses
-
-
-def _params(ctx, engine) -> dict[str, str]:
-    return {name: ctx.digest(p) for name, p in engine.module.named_parameters()}
 
 
 def batch_sizes(ds, ctx) -> dict:
@@ -80,7 +58,7 @@ def accumulation_boundary(ds, ctx) -> dict:
         seen.append(engine.is_gradient_accumulation_boundary())
         engine.backward(engine(*_batch(ctx, step)))
         engine.step()
-    return {"boundaries": seen, "global_steps": engine.global_steps, "params": _params(ctx, engine)}
+    return {"boundaries": seen, "global_steps": engine.global_steps, "params": kit.param_digests(ctx, engine)}
 
 
 def backward_options(ds, ctx) -> dict:
@@ -116,7 +94,7 @@ def no_sync(ds, ctx) -> dict:
             continue
         engine.backward(engine(*_batch(ctx, 1)))  # the boundary: reduces what no_sync accumulated
         engine.step()
-        out[f"stage{stage}_after_step"] = _params(ctx, engine)
+        out[f"stage{stage}_after_step"] = kit.param_digests(ctx, engine)
     return out
 
 
@@ -137,7 +115,7 @@ def checkpoint_options(ds, ctx) -> dict:
     _train(engine, ctx)
     engine.save_checkpoint(root, tag="no_latest", save_latest=False)
     engine.save_checkpoint(root, tag="kept")
-    out = {"files": ctx.files(root), "trained": _params(ctx, engine), "lr": engine.get_lr()}
+    out = {"files": ctx.files(root), "trained": kit.param_digests(ctx, engine), "lr": engine.get_lr()}
     for name, kwargs in {"module_only": {"load_module_only": True},
                          "no_optimizer": {"load_optimizer_states": False},
                          "no_scheduler": {"load_lr_scheduler_states": False},
@@ -145,16 +123,16 @@ def checkpoint_options(ds, ctx) -> dict:
         fresh = _engine(ds)
         _train(fresh, ctx, steps=1)  # some state of its own, to see what a load replaces
         path, _ = fresh.load_checkpoint(root, tag="kept", **kwargs)
-        out[name] = {"path": os.path.basename(str(path)), "params": _params(ctx, fresh), "lr": fresh.get_lr(),
+        out[name] = {"path": os.path.basename(str(path)), "params": kit.param_digests(ctx, fresh), "lr": fresh.get_lr(),
                      "global_steps": fresh.global_steps, "then": _train(fresh, ctx, steps=1)}
     calls = []
     custom = _engine(ds)
     custom.load_checkpoint(root, tag="kept", custom_load_fn=lambda src, dst: calls.append(sorted(src)))
-    out["custom_load_fn"] = {"calls": calls, "params": _params(ctx, custom)}
+    out["custom_load_fn"] = {"calls": calls, "params": kit.param_digests(ctx, custom)}
     return out
 
 
-class Extended(Net):
+class Extended(kit.Net):
     def __init__(self) -> None:
         super().__init__()
         self.extra = torch.nn.Linear(2, 2)
@@ -178,7 +156,7 @@ def load_strictness(ds, ctx) -> dict:
 
 def frozen_and_16bit(ds, ctx) -> dict:
     root = ctx.path("frozen")
-    model = Net()
+    model = kit.Net()
     model.a.requires_grad_(False)
     engine = _engine(ds, model=model)
     _train(engine, ctx, steps=1)
@@ -189,15 +167,37 @@ def frozen_and_16bit(ds, ctx) -> dict:
     module_keys = sorted(torch.load(module_file, map_location="cpu", weights_only=False)["module"])
     saved = torch.load(ctx.path("fp16_model", "model.bin"), map_location="cpu", weights_only=False)
     return {"module_keys": module_keys, "fp16_model": {k: ctx.digest(v) for k, v in sorted(saved.items())},
-            "params": _params(ctx, engine)}
+            "params": kit.param_digests(ctx, engine)}
+
+
+def _all_reduces_during(fn, *args, **kwargs) -> int:
+    """How many torch.distributed.all_reduce calls `fn` makes (both libraries' comm layers end there)."""
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counting(*a, **k):
+        calls.append(1)
+        return all_reduce(*a, **k)
+
+    torch.distributed.all_reduce = counting
+    try:
+        fn(*args, **kwargs)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    return len(calls)
 
 
 def tag_validation(ds, ctx) -> dict:
+    """Per checkpoint.tag_validation mode: the torch.distributed all-reduces of one save under one
+    tag, and what a save under a tag that differs between ranks raises. Not under "Ignore", which
+    compares nothing: zerospeed's ranks would then wait for each other's directories."""
     out = {}
     for mode in ("Ignore", "Warn", "Fail"):
         engine = _engine(ds, checkpoint={"tag_validation": mode})
-        tag = f"rank{ctx.rank}"
-        out[mode] = ctx.error_name(engine.save_checkpoint, ctx.path(f"tags_{mode}"), tag=tag)
+        all_reduces = _all_reduces_during(engine.save_checkpoint, ctx.path(f"tags_{mode}"), tag="same")
+        mismatch = None if mode == "Ignore" else ctx.error_name(engine.save_checkpoint, ctx.path(f"tags_{mode}"),
+                                                                 tag=f"rank{ctx.rank}")
+        out[mode] = {"all_reduces": all_reduces, "mismatch": mismatch}
     return out
 
 
@@ -227,16 +227,69 @@ def model_persistence(ds, ctx) -> dict:
     return out
 
 
+# DeepSpeed's one-line config getters (zerospeed/runtime/engine_accessors.py), read on two configs.
+ACCESSORS = [
+    "zero_allgather_bucket_size", "zero_allgather_partitions", "zero_allgather_sequential", "zero_compute_grad_norm",
+    "zero_contiguous_gradients", "zero_elastic_checkpoint", "zero_hpz_partition_size", "zero_ignore_unused_parameters",
+    "zero_legacy_stage1", "zero_load_from_fp32_weights", "zero_log_trace_cache_warnings", "zero_max_live_parameters",
+    "zero_max_reuse_distance", "zero_model_persistence_threshold", "zero_module_granularity_threshold",
+    "zero_multi_rank_bucket_allreduce", "zero_offload_optimizer", "zero_offload_param", "zero_overlap_comm",
+    "zero_param_persistence_threshold", "zero_parameter_alignment", "zero_prefetch_bucket_size",
+    "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "zero_quantized_weights",
+    "zero_reduce_bucket_size", "zero_reduce_scatter", "zero_round_robin_gradients",
+    "zero_save_muon_momentum_buffer_in_memory", "zero_sub_group_size", "zenflow_config", "is_sanity_checks_enabled",
+    "zero_cpu_offload", "zero_use_cpu_optimizer", "zero_partial_offload", "super_offload", "cpuadam_cores_perc",
+    "zero_nvme_offload_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization", "zero_optimization_stage",
+    "zero_optimization_partition_gradients", "zero_optimization_partition_weights", "zero_allow_untested_optimizer",
+    "optimizer_name", "optimizer_params", "optimizer_legacy_fusion", "scheduler_name", "scheduler_params",
+    "initial_dynamic_scale", "dynamic_loss_scale_args", "fp16_master_weights_and_gradients",
+    "bf16_master_weights_and_gradients", "bf16_optimizer_states", "dump_state", "managed_gradient_accumulation",
+    "checkpoint_tag_validation_enabled", "checkpoint_tag_validation_fail", "checkpoint_serialization_enabled",
+    "checkpoint_writer_enabled", "load_universal_checkpoint", "use_node_local_storage",
+    "flops_profiler_enabled", "flops_profiler_profile_step", "flops_profiler_module_depth",
+    "flops_profiler_top_modules", "flops_profiler_detailed", "flops_profiler_output_file",
+    "flops_profiler_recompute_fwd_factor",
+]
+
+
+def _plain(value):
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return type(value).__name__
+
+
+def config_accessors(ds, ctx) -> dict:
+    """Each accessor's value under the defaults (stage 0) and under non-default keys (stage 3)."""
+    zero = {"stage": 3, "reduce_bucket_size": 1234, "allgather_bucket_size": 4322, "overlap_comm": False,
+            "contiguous_gradients": False, "sub_group_size": 1000, "stage3_max_live_parameters": 10**6,
+            "stage3_max_reuse_distance": 10**5, "stage3_prefetch_bucket_size": 500,
+            "stage3_param_persistence_threshold": 7, "stage3_model_persistence_threshold": 99,
+            "stage3_allgather_sequential": True, "load_from_fp32_weights": False, "ignore_unused_parameters": False,
+            "log_trace_cache_warnings": True, "use_multi_rank_bucket_allreduce": False}
+    custom = {"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
+              "checkpoint": {"tag_validation": "fail", "use_node_local_storage": True},
+              "fp16": {"enabled": False, "initial_scale_power": 10},
+              "flops_profiler": {"enabled": False, "profile_step": 3, "module_depth": 2, "top_modules": 4,
+                                 "detailed": False, "output_file": "flops.txt"}}
+    out = {}
+    for name, engine in (("defaults", _engine(ds)), ("custom", _engine(ds, 3, **custom))):
+        out[name] = {}
+        for accessor in ACCESSORS:
+            method = getattr(type(engine), accessor, None)
+            out[name][accessor] = _plain(method(engine)) if callable(method) else "missing"
+    return out
+
+
 CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, no_sync, data_loader,
           checkpoint_options, load_strictness, frozen_and_16bit, tag_validation, bf16_overflow_check,
-          model_persistence]
+          model_persistence, config_accessors]
 
 
 def main(ds, ctx) -> dict:
-    result = {}
-    for check in CHECKS:
-        try:
-            result[check.__name__] = check(ds, ctx)
-        except Exception as error:  # noqa: BLE001 - reported per check, compared by the test
-            result[check.__name__] = {"raised": f"{type(error).__name__}: {str(error)[:300]}"}
-    return result
+    return kit.run_checks(CHECKS, ds, ctx)

@@ -16,38 +16,19 @@ ZeRO-1 SP gradients (docs/compatibility.md) leave the two trajectories equal to 
 from __future__ import annotations
 
 import torch
+from tiny_llama import SEQ, VOCAB, tiny_llama, trainer_recipe_loss
 
-SEQ, LR, HEADS, KV_HEADS, STEPS = 8, 1e-2, 4, 2, 2
+LR, STEPS = 1e-2, 2
 _REGISTERED: dict = {}
-
-
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config).float()
 
 
 def _samples():
     gen = torch.Generator().manual_seed(3)
     out = []
     for _ in range(STEPS):
-        ids = torch.randint(0, 32, (1, SEQ), generator=gen)
+        ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
         out.append({"input_ids": ids, "position_ids": torch.arange(SEQ).unsqueeze(0), "labels": ids.clone()})
     return out
-
-
-def _loss(engine, batch, group):
-    import torch.distributed.nn.functional as dist_fn
-
-    loss = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                  shift_labels=batch["shift_labels"], labels=batch["shift_labels"]).loss
-    losses = torch.stack(dist_fn.all_gather(loss, group=group))
-    tokens = torch.stack(dist_fn.all_gather((batch["shift_labels"] != -100).view(-1).sum(), group=group))
-    return (losses * tokens).sum() / tokens.sum().clamp(min=1)
 
 
 def _state(ds, ctx, engine):
@@ -67,7 +48,7 @@ def _weights(ctx, engine):
 def _train(engine, batches, group):
     losses = []
     for batch in batches:
-        loss = _loss(engine, batch, group)
+        loss = trainer_recipe_loss(engine, batch, group)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -82,7 +63,7 @@ def main(ds, ctx, stages, load_from=None):
 
 def run(ds, ctx, stage, load_from):
     alst = ctx.submodule("runtime.sequence_parallel.ulysses_sp")
-    net = _model()
+    net = tiny_llama(num_hidden_layers=1)
     if "mpu" not in _REGISTERED:   # DeepSpeed registers once per process: it swaps transformers' "sdpa"
         _REGISTERED["mpu"] = alst.UlyssesSPAttentionHF.register_with_transformers(
             net, "sdpa", sequence_parallel_size=ctx.world_size, micro_batch_size=1)

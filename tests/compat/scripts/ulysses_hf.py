@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tiny_llama import HEADS, KV_HEADS, SEQ, VOCAB, tiny_llama, trainer_recipe_loss
 
-SEQ, LR, HEADS, KV_HEADS = 8, 0.5, 4, 2
+LR = 0.5
 
 
 def _sdpa(q, k, v):  # [b, s, h, d], KV heads repeated for GQA
@@ -31,38 +32,18 @@ def attention(ctx, group):
     return [ctx.values(out)] + [ctx.values(t.grad) for t in mine]
 
 
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config).float()
-
-
 def sample(rank):
     gen = torch.Generator().manual_seed(3 + rank)
-    ids = torch.randint(0, 32, (1, SEQ), generator=gen)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
     labels = ids.clone()
     labels[:, :3] = -100
     return {"input_ids": ids, "position_ids": torch.arange(SEQ).unsqueeze(0), "labels": labels}
 
 
-def trainer_recipe_loss(engine, batch, group):
-    import torch.distributed.nn.functional as dist_fn
-
-    loss = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["shift_labels"],
-                  shift_labels=batch["shift_labels"]).loss
-    losses = torch.stack(dist_fn.all_gather(loss, group=group))
-    tokens = torch.stack(dist_fn.all_gather((batch["shift_labels"] != -100).view(-1).sum(), group=group))
-    return (losses * tokens).sum() / tokens.sum().clamp(min=1)
-
-
 def main(ds, ctx):
     ds.init_distributed(dist_backend="gloo")
     alst = ctx.submodule("runtime.sequence_parallel.ulysses_sp")
-    net = model()
+    net = tiny_llama(num_hidden_layers=2)
     before = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
     mpu = alst.UlyssesSPAttentionHF.register_with_transformers(net, "sdpa", sequence_parallel_size=ctx.world_size,
                                                                micro_batch_size=1)

@@ -15,26 +15,10 @@ import pytest
 import torch
 
 from tests.distributed import run_on_ranks
+from tp_models import global_batches, tiny_model, train_dp_slices
 
-SEQ, STEPS, MICRO, LR, CLIP = 8, 3, 2, 0.2, 0.5
+STEPS, MICRO, LR, CLIP = 3, 2, 0.2, 0.5
 TOL = 1e-5
-
-
-def _model(kind: str) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                                        tie_word_embeddings=False))
-
-
-def _batches(global_batch: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 64, (global_batch, SEQ), generator=generator) for _ in range(STEPS)]
 
 
 def _reference(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], list[float]]:
@@ -71,7 +55,7 @@ def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None, p
 
     world = torch.distributed.get_world_size()
     dp = world // tp
-    model, batches = _model(kind), _batches(MICRO * dp)
+    model, batches = tiny_model(kind), global_batches(MICRO * dp, STEPS)
     reference_after = copy.deepcopy(model)
     ref_losses, ref_norms = _reference(reference_after, batches)
     try:
@@ -79,17 +63,7 @@ def _train_parity(kind: str, stage: int, tp: int, save_dir: str | None = None, p
         params = [p for p in model.parameters() if p.requires_grad] if params_first else None
         engine, *_ = zerospeed.initialize(model=zerospeed.tp_model_init(model, tp, torch.float32),
                                           model_parameters=params, config=_config(stage, tp))
-        dp_rank = engine.get_data_parallel_rank()
-        losses, norms = [], []
-        for ids in batches:
-            mine = ids[dp_rank * MICRO:(dp_rank + 1) * MICRO]
-            loss = engine(input_ids=mine, labels=mine).loss
-            engine.backward(loss)
-            engine.step()
-            global_loss = loss.detach().clone()
-            torch.distributed.all_reduce(global_loss, group=engine.dp_group)
-            losses.append(global_loss.item() / dp)
-            norms.append(engine.get_global_grad_norm())
+        losses, norms = train_dp_slices(engine, batches)
         full = consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
         on_rank0 = engine._consolidated_16bit_state_dict()  # DeepSpeed's contract: rank 0 only
         result = {
@@ -114,11 +88,11 @@ def _round_trip(engine, kind: str, stage: int, tp: int, save_dir: str, full: dic
     engine.save_checkpoint(save_dir, tag="t")
     engine.save_16bit_model(save_dir, "model.bin")
     saved = torch.load(os.path.join(save_dir, "model.bin"), weights_only=True)
-    fresh, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, tp))
+    fresh, _, _, _ = zerospeed.initialize(model=tiny_model(kind), config=_config(stage, tp))
     fresh.load_checkpoint(save_dir, tag="t")
     reloaded = consolidated_state_dict(fresh.module, fresh.tensor_parallel.tp_group)
     # Another tp size (none): the full weights are rebuilt from both mp_rank files.
-    untp, _, _, _ = zerospeed.initialize(model=_model(kind), config=_config(stage, 0))
+    untp, _, _, _ = zerospeed.initialize(model=tiny_model(kind), config=_config(stage, 0))
     untp.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
     at_tp1 = untp.module.state_dict()
     from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

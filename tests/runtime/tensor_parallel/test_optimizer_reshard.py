@@ -13,7 +13,7 @@ import os
 import torch
 
 from tests.distributed import run_on_ranks
-from test_autotp import SEQ, _model
+from tp_models import global_batches, tiny_model, train_dp_slices
 
 GLOBAL_BATCH, SAVE_AT, STEPS, TOL = 2, 2, 4, 1e-6
 
@@ -28,7 +28,7 @@ def _engine(tp: int, stage: int):
               "train_batch_size": GLOBAL_BATCH // dp * torch.distributed.get_world_size(),
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
-    model = _model("llama")
+    model = tiny_model("llama")
     if tp > 1:
         model = zerospeed.tp_model_init(model, tp, torch.float32)
     engine, *_ = zerospeed.initialize(model=model, config=config)
@@ -36,20 +36,8 @@ def _engine(tp: int, stage: int):
 
 
 def _train(engine, steps) -> list[float]:
-    generator = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
-    dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
-    micro = GLOBAL_BATCH // dp
-    losses = []
-    for step in steps:
-        mine = batches[step][dp_rank * micro:(dp_rank + 1) * micro]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean, group=engine.dp_group)
-        losses.append(mean.item() / dp)
-    return losses
+    batches = global_batches(GLOBAL_BATCH, STEPS)
+    return train_dp_slices(engine, [batches[step] for step in steps])[0]
 
 
 def _full(engine) -> dict:
