@@ -115,13 +115,13 @@ def _backward_all_reduces() -> dict:
     from zerospeed.runtime.tensor_parallel.layers import LinearLayer
 
     try:
-        engine, *_ = zerospeed.initialize(model=zerospeed.tp_model_init(_model("llama"), 2, torch.float32),
+        engine, *_ = zerospeed.initialize(model=zerospeed.tp_model_init(tiny_model("llama"), 2, torch.float32),
                                           config=_config(0, 2))
         inputs: list[torch.Tensor] = []
         for module in engine.module.modules():
             if isinstance(module, LinearLayer):
                 module.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
-        ids = _batches(MICRO)[0]
+        ids = global_batches(MICRO, 1)[0]
         loss = engine(input_ids=ids, labels=ids).loss
         comm.comms_logger.configure(enabled=True, prof_all=True)
         comm.comms_logger.reset()
