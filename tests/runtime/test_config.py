@@ -140,7 +140,7 @@ MALFORMED = [
     ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size", None),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": -2}}},
      "zero_optimization.offload_param.buffer_count", None),
-    ({"zero_optimization": {"allgather_bucket_size": 5}}, "zero_optimization.allgather_bucket_size", None),
+    ({"zero_optimization": {"stage": 1, "allgather_bucket_size": 5}}, "zero_optimization.allgather_bucket_size", None),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", None),
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "zero_optimization.offload_optimizer.device", None),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "zero_optimization", None),
@@ -343,3 +343,10 @@ def test_print(caplog):
 def test_root_model_is_usable_alone():
     root = DeepSpeedRootConfig.model_validate({"train_batch_size": 2})
     assert root.gradient_clipping == 1.0 and root.steps_per_print is None
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_odd_allgather_bucket_size_is_accepted_where_no_stage_reads_it(stage):
+    # DeepSpeed asserts evenness only in its stage-1/2 optimizer.
+    config = _config({"zero_optimization": {"stage": stage, "allgather_bucket_size": 4321}})
+    assert config.zero_config.allgather_bucket_size == 4321
