@@ -185,3 +185,45 @@ def test_per_expert_moe_block_is_found_and_trains_under_zero3_like_one_process()
     batches = [[(x[r * TOKENS:(r + 1) * TOKENS], y[r * TOKENS:(r + 1) * TOKENS]) for r in range(2)]
                for x, y in _data(2)]
     _assert_equal_to_one_process(results, model, batches, lambda xy: model(*xy))
+
+
+# --- ranks that call different submodules: a clear error, not wrong losses or a hang ---------------
+
+def _train_unmarked(zero_extra: dict) -> dict:
+    """The per-expert block with detection off and no marking: rank 1 calls expert 3, rank 0 never does."""
+    import zerospeed
+    from zerospeed.runtime.zero.gather_order_check import ModuleOrderError
+
+    rank = torch.distributed.get_rank()
+    model = PerExpertNet()
+    config = {"train_micro_batch_size_per_gpu": TOKENS, "zero_optimization": {
+              "stage": 3, "stage3_param_persistence_threshold": 0, "leaf_module": {"detect_moe_blocks": False},
+              **zero_extra}, "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    losses = []
+    try:
+        for x, y in _data(2):
+            loss = engine(x[rank * TOKENS:(rank + 1) * TOKENS], y[rank * TOKENS:(rank + 1) * TOKENS])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    except ModuleOrderError as error:
+        return {"error": str(error), "losses": losses, "ran": model.moe.ran}
+    return {"error": None, "losses": losses, "ran": model.moe.ran}
+
+
+@pytest.mark.parametrize("zero_extra,when", [({}, "at the end of backward"),
+                                             ({"enable_sanity_checks": True}, "before gather #")])
+def test_ranks_calling_different_experts_is_a_clear_error(zero_extra: dict, when: str) -> None:
+    """Without the leaf marking the ranks' gathers pair up wrongly (silently wrong losses before the check
+    existed). The check compares what each rank gathered once per backward (or, with DeepSpeed's
+    enable_sanity_checks, before every gather) and raises on every rank, in the first step, before the
+    optimizer steps, naming the expert only rank 1 called."""
+    results = run_on_ranks(_train_unmarked, 2, zero_extra, timeout_s=120)
+    assert 3 in results[1]["ran"][0] and 3 not in results[0]["ran"][0]
+    for result in results:
+        assert result["error"] is not None, "ranks that called different experts trained on"
+        assert result["losses"] == [], "the error comes in the first step"
+        assert when in result["error"]
+        assert "rank 1: moe.experts.3.w1 (Linear)" in result["error"], result["error"]
+        assert "set_z3_leaf_modules" in result["error"]
