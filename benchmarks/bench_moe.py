@@ -36,12 +36,17 @@ def _run(impl: str, world_size: int, args: argparse.Namespace) -> dict:
     largest = max(ranks, key=lambda r: r["peak_rss_mib"])
     return {"step_s": max(r["step_s"] for r in ranks), "cpu_s": max(r["cpu_s"] for r in ranks),
             "peak_rss_mib": largest["peak_rss_mib"], "final_loss": ranks[0]["losses"][-1],
-            "baseline_rss_mib": largest["baseline_rss_mib"], "phases": largest["phases"]}
+            "baseline_rss_mib": largest["baseline_rss_mib"], "phases": largest["phases"],
+            "first_phases": largest["first_phases"]}
 
 
 def _print_phases(world_size: int, impl: str, result: dict) -> None:
-    cells = " | ".join(f"{p['start']:.0f} / {p['peak']:.0f} / {p['end']:.0f}" for p in result["phases"].values())
-    print(f"| {world_size} | {impl} | {result['baseline_rss_mib']:.0f} | {cells} |", flush=True)
+    for steps, table in (("first", result["first_phases"]), ("later", result["phases"])):
+        init = table.pop("initialize", None)
+        cells = " | ".join(f"{p['start']:.0f} / {p['peak']:.0f} / {p['end']:.0f}" for p in table.values())
+        init_cell = "" if init is None else f"{init['start']:.0f} / {init['peak']:.0f} / {init['end']:.0f}"
+        print(f"| {world_size} | {impl} | {steps} | {result['baseline_rss_mib']:.0f} | {init_cell} | {cells} |",
+              flush=True)
 
 
 def main() -> None:
@@ -76,8 +81,8 @@ def main() -> None:
         ratios[world_size] = tuple(med["zerospeed"][key] / med["deepspeed"][key]
                                    for key in ("step_s", "cpu_s", "peak_rss_mib"))
     if args.phases:
-        print("\n| ranks | library | RSS after import | initialize | forward | backward | step |\n"
-              "|---|---|---|---|---|---|---|")
+        print("\n| ranks | library | steps | RSS after import | initialize | forward | backward | step |\n"
+              "|---|---|---|---|---|---|---|---|")
         for world_size, runs_by_impl in phase_runs.items():
             for impl, result in runs_by_impl:
                 _print_phases(world_size, impl, result)

@@ -3,8 +3,10 @@ against DeepSpeed's public API) that trains a model with MoE layers and times it
 
 With `phases=True` it also records, per rank, the resident memory of each phase of a step
 (`initialize`, forward, backward, step): the RSS when the phase starts, its peak (Linux's VmHWM,
-reset before the phase through /proc/self/clear_refs) and the RSS when it ends, the largest over
-all steps. That attributes a difference in peak RSS to the phase that causes it.
+reset before the phase through /proc/self/clear_refs) and the RSS when it ends, for the first step
+and the largest over the later ones (the first step creates the optimizer state, and what the
+allocator keeps from its transients stays resident). That attributes a difference in peak RSS to
+the phase that causes it.
 """
 
 from __future__ import annotations
@@ -33,19 +35,25 @@ def _reset_peak() -> None:
 
 
 class _PhaseMemory:
-    """Per phase: the largest (start, peak, end) RSS in MiB seen over the recorded calls."""
+    """Per phase: (start, peak, end) RSS in MiB of the first call, and the largest of each over the later ones."""
 
     def __init__(self) -> None:
         self.phases: dict[str, dict[str, float]] = {}
+        self.first: dict[str, dict[str, float]] = {}
+        self.history: list[tuple[str, float, float, float]] = []   # every call, in order
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
         start = _status_kib("VmRSS")
         _reset_peak()
         result = fn()
-        peak, end = _status_kib("VmHWM"), _status_kib("VmRSS")
+        values = {"start": start / _MIB, "peak": _status_kib("VmHWM") / _MIB, "end": _status_kib("VmRSS") / _MIB}
+        self.history.append((name, values["start"], values["peak"], values["end"]))
+        if name not in self.first:
+            self.first[name] = values
+            return result
         seen = self.phases.setdefault(name, {"start": 0.0, "peak": 0.0, "end": 0.0})
-        for key, value in (("start", start), ("peak", peak), ("end", end)):
-            seen[key] = max(seen[key], value / _MIB)
+        for key, value in values.items():
+            seen[key] = max(seen[key], value)
         return result
 
 
@@ -106,6 +114,7 @@ def main(ds, ctx, stage: int, steps: int, warmup: int, tokens: int, d_model: int
         losses.append(loss.item())
     # With phases the kernel's peak was reset before each phase: the process peak is the phases' largest.
     peak = max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-                *(seen["peak"] for seen in memory.phases.values())])
+                *(seen["peak"] for table in (memory.first, memory.phases) for seen in table.values())])
     return {"step_s": statistics.median(times[warmup:]), "cpu_s": statistics.median(cpu_times[warmup:]),
-            "losses": losses, "baseline_rss_mib": baseline, "phases": memory.phases, "peak_rss_mib": peak}
+            "losses": losses, "baseline_rss_mib": baseline, "first_phases": memory.first,
+            "phases": memory.phases, "history": memory.history, "peak_rss_mib": peak}

@@ -30,8 +30,9 @@ collectives] in comm/in_flight.py), three buckets of communication memory at the
 Every rank must produce gradients in the same order (the same graph), as in DeepSpeed, so that
 all ranks issue the same collectives.
 
-[Note: a group of one] An expert param group whose expert-data-parallel group is one rank
-(ep_size = world size: every rank holds experts no other rank holds) has nothing to exchange. Its
+[Note: a group of one] A param group partitioned over one rank (an expert group whose
+expert-data-parallel group is one rank: ep_size = world size, every rank holds experts no other
+rank holds; or any group of a one-rank run) has nothing to exchange. Its
 gradients skip the bucket: each is scaled by the averaging factors, in the order and dtype a
 reduction would apply them (so the bits equal the bucketed path's), and added straight into the
 partition. A bucket of such a group would otherwise hold the whole group's gradients, and the
