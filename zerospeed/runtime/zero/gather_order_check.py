@@ -36,7 +36,9 @@ import torch
 
 from zerospeed import comm
 
-__all__ = ["GatherOrderCheck", "GatherRecord", "ModuleOrderError"]
+__all__ = ["CHECK_LOG_NAME", "GatherOrderCheck", "GatherRecord", "ModuleOrderError"]
+
+CHECK_LOG_NAME = "zero3.module_order_check"   # the comms logger's name for the exchange
 
 
 class ModuleOrderError(RuntimeError):
@@ -91,7 +93,7 @@ class GatherOrderCheck:
             return
         mine = torch.tensor([len(self._records), self._hash], dtype=torch.int64, device=self.device)
         every = torch.empty(world_size * 2, dtype=torch.int64, device=self.device)
-        comm.all_gather_into_tensor(every, mine, group=group)
+        comm.all_gather_into_tensor(every, mine, group=group, log_name=CHECK_LOG_NAME)
         self.num_checks += 1
         rows = every.view(world_size, 2).tolist()
         if all(row == rows[0] for row in rows):
