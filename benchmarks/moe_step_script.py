@@ -11,6 +11,7 @@ the phase that causes it.
 
 from __future__ import annotations
 
+import functools
 import re
 import resource
 import statistics
@@ -97,13 +98,13 @@ def main(ds, ctx, stage: int, steps: int, warmup: int, tokens: int, d_model: int
     engine = memory.run("initialize", build) if phases else build()
     generator = torch.Generator().manual_seed(ctx.rank)
     times, cpu_times, losses = [], [], []
-    for step in range(warmup + steps):
+    for _ in range(warmup + steps):
         x, y = torch.randn(tokens, d_model, generator=generator), torch.randn(tokens, 1, generator=generator)
         torch.distributed.barrier()
         start, cpu_start = time.perf_counter(), time.process_time()
         if phases:   # every step, warm-up included (the first step creates the optimizer state)
-            loss = memory.run("forward", lambda: engine(x, y))
-            memory.run("backward", lambda: engine.backward(loss))
+            loss = memory.run("forward", functools.partial(engine, x, y))
+            memory.run("backward", functools.partial(engine.backward, loss))
             memory.run("step", engine.step)
         else:
             loss = engine(x, y)
