@@ -9,7 +9,8 @@ library, gloo ranks, one thread each); rounds alternate which library goes first
 capacity factor 1.25, AdamW (torch), clipping 1.0, fp32, ZeRO `--stage`. Reported per run: median
 step wall time and process CPU time of the slowest rank (warm-up dropped; CPU time suffers less
 from a loaded machine), peak RSS of the largest rank; then the ratios ours / DeepSpeed of the
-medians over rounds.
+medians over rounds. `--phases` adds, per run, the resident memory of each phase of a step on
+the rank with the largest peak (moe_step_script.py: RSS at the phase's start, its peak, at its end).
 """
 
 from __future__ import annotations
@@ -30,9 +31,22 @@ def _run(impl: str, world_size: int, args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="zs-bench-moe-") as work:
         ranks = run_script(SCRIPT, impl, work, world_size, stage=args.stage, steps=args.steps, warmup=args.warmup,
-                           tokens=args.tokens, d_model=args.d_model, num_experts=args.num_experts, layers=args.layers)
-    return {"step_s": max(r["step_s"] for r in ranks), "cpu_s": max(r["cpu_s"] for r in ranks), "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
-            "final_loss": ranks[0]["losses"][-1]}
+                           tokens=args.tokens, d_model=args.d_model, num_experts=args.num_experts, layers=args.layers,
+                           phases=args.phases)
+    largest = max(ranks, key=lambda r: r["peak_rss_mib"])
+    return {"step_s": max(r["step_s"] for r in ranks), "cpu_s": max(r["cpu_s"] for r in ranks),
+            "peak_rss_mib": largest["peak_rss_mib"], "final_loss": ranks[0]["losses"][-1],
+            "baseline_rss_mib": largest["baseline_rss_mib"], "phases": largest["phases"],
+            "first_phases": largest["first_phases"]}
+
+
+def _print_phases(world_size: int, impl: str, result: dict) -> None:
+    for steps, table in (("first", result["first_phases"]), ("later", result["phases"])):
+        init = table.pop("initialize", None)
+        cells = " | ".join(f"{p['start']:.0f} / {p['peak']:.0f} / {p['end']:.0f}" for p in table.values())
+        init_cell = "" if init is None else f"{init['start']:.0f} / {init['peak']:.0f} / {init['end']:.0f}"
+        print(f"| {world_size} | {impl} | {steps} | {result['baseline_rss_mib']:.0f} | {init_cell} | {cells} |",
+              flush=True)
 
 
 def main() -> None:
@@ -46,9 +60,11 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--phases", action="store_true", help="RSS per phase of a step (start / peak / end MiB)")
     args = parser.parse_args()
     print("| ranks | library | step s | CPU s | peak RSS MiB | final loss |\n|---|---|---|---|---|---|")
     ratios = {}
+    phase_runs: dict[int, list[tuple[str, dict]]] = {}
     for world_size in args.world_sizes:
         runs: dict[str, list[dict]] = {"zerospeed": [], "deepspeed": []}
         for round_index in range(args.rounds):
@@ -56,6 +72,7 @@ def main() -> None:
             for impl in order:
                 result = _run(impl, world_size, args)
                 runs[impl].append(result)
+                phase_runs.setdefault(world_size, []).append((impl, result))
                 print(f"| {world_size} | {impl} | {result['step_s']:.4f} | {result['cpu_s']:.4f} | "
                       f"{result['peak_rss_mib']:.0f} | "
                       f"{result['final_loss']:.4f} |", flush=True)
@@ -63,6 +80,12 @@ def main() -> None:
                for impl, rs in runs.items()}
         ratios[world_size] = tuple(med["zerospeed"][key] / med["deepspeed"][key]
                                    for key in ("step_s", "cpu_s", "peak_rss_mib"))
+    if args.phases:
+        print("\n| ranks | library | steps | RSS after import | initialize | forward | backward | step |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for world_size, runs_by_impl in phase_runs.items():
+            for impl, result in runs_by_impl:
+                _print_phases(world_size, impl, result)
     print("\n| ranks | step ours / DeepSpeed | CPU ours / DeepSpeed | peak RSS ours / DeepSpeed |\n|---|---|---|---|")
     for world_size, (step, cpu, rss) in ratios.items():
         print(f"| {world_size} | {step:.2f} | {cpu:.2f} | {rss:.2f} |")

@@ -114,14 +114,14 @@ class PerExpertMoeBlock(torch.nn.Module):
         weights, chosen = torch.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
-        ran = []
+        ran: list[int] = []
+        self.ran.append(ran)   # filled as experts run: a check may stop the forward inside an expert
         for index, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == index)
             if token.numel() == 0:
                 continue
             ran.append(index)
             out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
-        self.ran.append(ran)
         return out
 
 
@@ -185,3 +185,51 @@ def test_per_expert_moe_block_is_found_and_trains_under_zero3_like_one_process()
     batches = [[(x[r * TOKENS:(r + 1) * TOKENS], y[r * TOKENS:(r + 1) * TOKENS]) for r in range(2)]
                for x, y in _data(2)]
     _assert_equal_to_one_process(results, model, batches, lambda xy: model(*xy))
+
+
+# --- ranks that call different submodules: a clear error, not wrong losses or a hang ---------------
+
+def _train_unmarked(zero_extra: dict) -> dict:
+    """The per-expert block with detection off and no marking: rank 1 calls expert 3, rank 0 never does."""
+    import zerospeed
+    from zerospeed.runtime.zero.gather_order_check import ModuleOrderError
+
+    rank = torch.distributed.get_rank()
+    model = PerExpertNet()
+    config = {"train_micro_batch_size_per_gpu": TOKENS, "zero_optimization": {
+              "stage": 3, "stage3_param_persistence_threshold": 0, "leaf_module": {"detect_moe_blocks": False},
+              **zero_extra}, "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+    engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+    losses = []
+    try:
+        for x, y in _data(2):
+            loss = engine(x[rank * TOKENS:(rank + 1) * TOKENS], y[rank * TOKENS:(rank + 1) * TOKENS])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    except ModuleOrderError as error:
+        return {"error": str(error), "losses": losses, "ran": model.moe.ran}
+    return {"error": None, "losses": losses, "ran": model.moe.ran}
+
+
+@pytest.mark.parametrize("zero_extra,when", [({}, "at the end of backward"),
+                                             ({"enable_sanity_checks": True}, "before gather #")])
+def test_ranks_calling_different_experts_is_a_clear_error(zero_extra: dict, when: str) -> None:
+    """Without the leaf marking the ranks' gathers pair up wrongly (silently wrong losses before the check
+    existed). The check compares what each rank gathered once per backward (or, with DeepSpeed's
+    enable_sanity_checks, before every gather) and raises on every rank, in the first step, before the
+    optimizer steps, naming the expert only rank 1 called."""
+    results = run_on_ranks(_train_unmarked, 2, zero_extra, timeout_s=120)
+    ran = [result["ran"][0] for result in results]   # the experts each rank ran, in call order
+    if not zero_extra:   # the forward ran through: rank 1 reached expert 3, rank 0 did not
+        assert 3 in ran[1] and 3 not in ran[0]
+    first = next(i for i, (a, b) in enumerate(zip(ran[0] + [None], ran[1] + [None])) if a != b)
+    for result in results:
+        assert result["error"] is not None, "ranks that called different experts trained on"
+        assert result["losses"] == [], "the error comes in the first step"
+        assert when in result["error"]
+        # gathers #0 and #1 are inp and the router; then each rank's experts in call order
+        assert f"First difference, gather #{2 + first} of this micro-step" in result["error"], result["error"]
+        for rank in (0, 1):
+            assert f"rank {rank}: moe.experts.{ran[rank][first]}.w1 (Linear) (forward)" in result["error"]
+        assert "set_z3_leaf_modules" in result["error"]

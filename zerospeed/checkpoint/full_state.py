@@ -95,30 +95,41 @@ def _split_state(full: FullOptimizerState, name: str, state: dict[str, Any], per
             full.scalars.setdefault(name, {})[key] = value
 
 
-def export_zero12(optim_states: Iterable[dict[str, Any]], param_shapes: Any) -> FullOptimizerState:
-    """From every rank's ZeRO 1/2 `optimizer_state_dict`, read one at a time in dp-rank order."""
+def export_zero12(optim_states: Iterable[dict[str, Any]], param_shapes: Any,
+                  naming: Any = None) -> FullOptimizerState:
+    """From every rank's ZeRO 1/2 `optimizer_state_dict`, read one at a time in dp-rank order.
+    `naming` (MoE, [Note: MoE stage-3 reshard]): `naming.rename(dp_rank, name)` is a saved parameter's
+    name in the full state (an expert's global id). A parameter's fragments follow each other in rank
+    order over the ranks that partition it (for an expert, its expert-data-parallel group)."""
     shapes = merge_param_shapes(param_shapes)
     full = FullOptimizerState()
     pieces: dict[str, list[torch.Tensor]] = {}
+    saved_name: dict[str, str] = {}   # full-state name -> the name its shape is saved under
     for dp_rank, state in enumerate(optim_states):
         if dp_rank == 0:
             base = state[C.BASE_OPTIMIZER_STATE]
             full.param_groups = _hyperparams(base["param_groups"])
             full.loss_scaler, full.overflow = state.get(C.LOSS_SCALER), bool(state.get("overflow", False))
-        _export_zero12_rank(state, full, pieces, first_rank=dp_rank == 0)
+
+        def rename(name: str, rank: int = dp_rank) -> str:
+            renamed = name if naming is None else naming.rename(rank, name)
+            saved_name[renamed] = name
+            return renamed
+        _export_zero12_rank(state, full, pieces, first_rank=dp_rank == 0, rename=rename)
     for name, parts in pieces.items():
-        full.fp32[name] = torch.cat(parts).view(shapes[name])
+        full.fp32[name] = torch.cat(parts).view(shapes[saved_name[name]])
     _join_moments(full)
     return full
 
 
 def _export_zero12_rank(state: dict[str, Any], full: FullOptimizerState, pieces: dict[str, list[torch.Tensor]],
-                        first_rank: bool) -> None:
+                        first_rank: bool, rename: Any) -> None:
     base = state[C.BASE_OPTIMIZER_STATE]
     for g, lean in enumerate(state[C.SINGLE_PARTITION_OF_FP32_GROUPS]):
         partition_numel = lean.numel() + int(state[C.GROUP_PADDINGS][g])
         group_state = base["state"].get(base["param_groups"][g]["params"][0], {})
-        for name, address in state[C.PARAM_SLICE_MAPPINGS][g].items():
+        for local_name, address in state[C.PARAM_SLICE_MAPPINGS][g].items():
+            name = rename(local_name)
             start, numel = fragment_bounds(address)
             pieces.setdefault(name, []).append(lean.narrow(0, start, numel).float())
             scalars_before = dict(full.scalars.get(name, {}))

@@ -48,12 +48,14 @@ def import_stage0(wrapper: DataParallelOptimizer, full: FullOptimizerState, para
     torch_state = current[C.OPTIMIZER_STATE_DICT]
     replicated = wrapper.replicated_state(param_names)
     names, trainable = replicated.names, replicated.trainable
+    full_names = moe_reshard.full_state_names(param_names)   # experts by global id
     state: dict[int, dict[str, Any]] = {}
     masters: list[torch.Tensor] = []
     for group, group_names, group_trainable in zip(torch_state["param_groups"], names, trainable):
-        for index, name, is_trainable in zip(group["params"], group_names, group_trainable):
+        for index, local_name, is_trainable in zip(group["params"], group_names, group_trainable):
             if not is_trainable:
                 continue
+            name = full_names.get(local_name, local_name)
             masters.append(_require(full.fp32, name).clone())
             if name in full.moments:
                 # one tensor per param: torch's Adam increments `step` in place
@@ -70,9 +72,10 @@ def import_stage0(wrapper: DataParallelOptimizer, full: FullOptimizerState, para
 
 @torch.no_grad()
 def _copy_into_params(param_names: ParamNames, full: FullOptimizerState) -> None:
+    full_names = moe_reshard.full_state_names(param_names)
     for param, name in param_names.items():
         if param.requires_grad:
-            param.copy_(_require(full.fp32, name))
+            param.copy_(_require(full.fp32, full_names[name]))
 
 
 def _require(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -85,19 +88,22 @@ def import_zero12(wrapper: DeepSpeedZeroOptimizer, full: FullOptimizerState, par
                   load_optimizer_states: bool) -> None:
     current = _common(wrapper.state_dict(), full)
     base = current[C.BASE_OPTIMIZER_STATE]
+    full_names = moe_reshard.full_state_names(param_names)   # experts by global id
     state: dict[int, dict[str, Any]] = {}
     for g, params in enumerate(wrapper.trainable_param_groups()):
         group_names = [param_names[p] for p in params]
         lean = current[C.SINGLE_PARTITION_OF_FP32_GROUPS][g]
         partition_numel = lean.numel() + int(current[C.GROUP_PADDINGS][g])
         offsets = _flat_offsets(params, group_names)
-        group_start = wrapper.dp_rank * partition_numel
+        # an expert group is partitioned over its expert-data-parallel group ([Note: MoE param groups])
+        group_start = wrapper.groups[g].dp_rank * partition_numel
         new_lean = torch.zeros_like(lean)
         moments: dict[str, torch.Tensor] = {}
         scalars: dict[str, Any] = {}
-        for name, address in current[C.PARAM_SLICE_MAPPINGS][g].items():
+        for local_name, address in current[C.PARAM_SLICE_MAPPINGS][g].items():
             start, numel = fragment_bounds(address)
-            param_start = group_start + start - offsets[name]
+            param_start = group_start + start - offsets[local_name]
+            name = full_names.get(local_name, local_name)
             new_lean.narrow(0, start, numel).copy_(_require(full.fp32, name).reshape(-1).narrow(0, param_start, numel))
             for key, value in full.moments.get(name, {}).items():
                 moment = moments.setdefault(key, torch.zeros(partition_numel, dtype=value.dtype))
@@ -108,7 +114,7 @@ def import_zero12(wrapper: DeepSpeedZeroOptimizer, full: FullOptimizerState, par
             state[base["param_groups"][g]["params"][0]] = {**scalars, **moments}
     base["state"] = state
     base["param_groups"] = _with_hyperparams(base["param_groups"], full)
-    current[C.PARTITION_COUNT] = [wrapper.dp_world_size] * len(current[C.SINGLE_PARTITION_OF_FP32_GROUPS])
+    current[C.PARTITION_COUNT] = [group.world_size for group in wrapper.groups]
     wrapper.load_state_dict(current, load_optimizer_states=load_optimizer_states)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from zerospeed.checkpoint.context import CheckpointContext
 
-__all__ = ["check_optimizer_topology", "check_stage3_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "loads_moe_optimizer_files", "merge_expert_states", "moe_modules",
+__all__ = ["check_optimizer_topology", "check_stage_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "loads_moe_optimizer_files", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
 
 _LOCAL = ".deepspeed_moe.experts.deepspeed_experts."
@@ -149,15 +149,22 @@ def merge_expert_states(ctx: CheckpointContext, tag_dir: str, module_state: dict
     return {**module_state, **expert_states_for_rank(ctx.module, tag_dir, groups._get_expert_parallel_rank, load)}
 
 
-def check_stage3_crossing(ctx: CheckpointContext, tag_dir: str) -> None:
-    """MoE checkpoints do not move between stage 3 (experts partitioned in the optim files, local names
-    per saving rank) and stages 0-2, in either direction."""
-    saved_stage3 = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+def check_stage_crossing(ctx: CheckpointContext, saved_stage: int, tag_dir: str, model_state: dict[str, Any]) -> None:
+    """Which MoE checkpoints cross between stage 3 and stages 0-2 ([Note: MoE stage crossing]): ours from
+    stage 3 into any stage and from stages 1-2 into stage 3 do; a stage-0 one into stage 3 and one without
+    our expert rank layout (DeepSpeed's) into stage 3 do not."""
     stage3 = bool(ctx.optimizer.weights_in_optimizer_files)
-    if saved_stage3 != stage3:
-        raise ValueError(f"checkpoint {tag_dir} of an MoE model was saved at zero_optimization.stage "
-                         f"{'3' if saved_stage3 else '0-2'} and this run is at stage {'3' if stage3 else '0-2'}: "
-                         "MoE checkpoints load at stage 3 from stage 3 and at stages 0-2 from stages 0-2 only")
+    if not stage3 or saved_stage == 3:
+        return
+    if saved_stage == 0:
+        raise ValueError(f"checkpoint {tag_dir} of an MoE model was saved at zero_optimization.stage 0 and this run "
+                         "is at stage 3: a stage-0 MoE checkpoint keeps its optimizer state per expert-parallel rank "
+                         "in expp_rank_* files without parameter names, which stage 3 cannot partition; load it at "
+                         "stage 0-2, save at stage 1 or 2, and load that at stage 3")
+    if not model_state.get(EP_SIZES_KEY):
+        raise ValueError(f"checkpoint {tag_dir} of an MoE model has no '{EP_SIZES_KEY}' (not saved by zerospeed, "
+                         "e.g. DeepSpeed's): its experts' optimizer partitions cannot be named by global expert id, so "
+                         "it loads at stages 0-2 only")
 
 
 def check_optimizer_topology(ctx: CheckpointContext, tag_dir: str, model_state: dict[str, Any]) -> None:

@@ -11,6 +11,16 @@ the rank layout recorded in `zs_moe_expert_data_ranks`, else DeepSpeed's default
 rank r % ep's experts), giving the full state under global names ([Note: full layout]); the import
 cuts each parameter of this rank by its own partition group and global name. The generic stage-3
 exporter and importer do the work, given these names and partition sizes.
+
+[Note: MoE stage crossing]
+The same naming carries MoE checkpoints between stage 3 and stages 0-2. Stage-1/2 optim files also
+hold each expert parameter under the saving rank's local name, its fragments spread over the ranks
+of its expert-data-parallel group in rank order: `export_zero12` renames them by the saving rank's
+ep rank, so either export gives the full state under global names, and every importer (stages 0,
+1/2, 3) looks an expert parameter up by its global name (`full_state_names`) and, at 1/2, cuts it by
+the rank of its own param group's partition group. The expert files (whole weights by global id,
+at every stage) load as before. Not crossed: stage-0 files (per ep rank, unnamed torch optimizer
+state) into stage 3, and checkpoints without our rank layout (DeepSpeed's) into stage 3.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Zero3Naming", "import_coords", "saved_naming"]
+__all__ = ["Zero3Naming", "full_state_names", "import_coords", "saved_naming"]
 
 _EXPERT_KEY = ".deepspeed_moe.experts.deepspeed_experts."
 EP_SIZES_KEY = "zs_moe_ep_sizes"
@@ -71,6 +81,12 @@ def saved_naming(model_state: dict[str, Any], names: list[str], world_size: int,
     expert_world = world_size // ep_size
     return Zero3Naming(partition_world=lambda name: expert_world if _EXPERT_KEY in name else world_size,
                        rename=lambda rank, name: _to_global(name, ep_rank_of[rank], per_layer))
+
+
+def full_state_names(param_names: dict[torch.nn.Parameter, str]) -> dict[str, str]:
+    """This rank's parameter names -> their names in the full state: an expert parameter's local expert
+    id replaced by its global one, every other name unchanged (the importers of every stage use it)."""
+    return {name: import_coords(param, name, 1, 0)[0] for param, name in param_names.items()}
 
 
 def import_coords(param: torch.nn.Parameter, name: str, world_size: int, dp_rank: int) -> tuple[str, int, int]:

@@ -127,14 +127,13 @@ def _stage0_precision_changed(ctx: CheckpointContext, saved: SavedLayout, model_
 def export_full_state(saved: SavedLayout, model_state: dict[str, Any]) -> FullOptimizerState:
     if saved.zero_stage == 0:
         return export_stage0(stage0_from_deepspeed(model_state[C.OPTIMIZER], None, 0.0), model_state[C.MODULE])
-    if saved.zero_stage in (1, 2):
-        verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
-        return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES])
     verify_files(saved.tag_dir, [os.path.basename(f) for f in saved.optim_files])
     naming = None
     if model_state.get(moe_reshard.EP_SIZES_KEY):   # [Note: MoE stage-3 reshard]
         names = list(merge_param_shapes(model_state[C.PARAM_SHAPES]))
         naming = moe_reshard.saved_naming(model_state, names, saved.dp_world_size, saved.tag_dir)
+    if saved.zero_stage in (1, 2):
+        return export_zero12(_each_optim_state(saved), model_state[C.PARAM_SHAPES], naming)
     return export_zero3(_each_optim_state(saved), model_state[C.PARAM_SHAPES], saved.dp_world_size, naming)
 
 

@@ -129,9 +129,9 @@ class EngineCheckpointing:
             logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
         model_state = load_file(model_path)
         ctx = self._checkpoint_context()
-        if ctx.has_moe_layers:   # at stage 3 the weights live in the optim files
-            moe_checkpoint.check_stage3_crossing(ctx, tag_dir)
         saved = self._discover_for_tp(tag_dir, model_state)
+        if ctx.has_moe_layers:   # at stage 3 the weights live in the optim files
+            moe_checkpoint.check_stage_crossing(ctx, saved.zero_stage, tag_dir, model_state)
         if ctx.has_moe_layers:  # [Note: MoE checkpoint layout]
             model_state[C.MODULE] = moe_checkpoint.merge_expert_states(ctx, tag_dir, model_state[C.MODULE], load_file)
         self._load_module(model_state, load_module_strict, custom_load_fn)
@@ -149,7 +149,8 @@ class EngineCheckpointing:
 
     def _load_optimizer(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any],
                         load_optimizer_states: bool) -> None:
-        if ctx.has_moe_layers and load_optimizer_states:
+        # a stage-3 checkpoint loads through the full state at any stage ([Note: MoE stage crossing])
+        if ctx.has_moe_layers and load_optimizer_states and saved.zero_stage != 3:
             moe_checkpoint.check_optimizer_topology(ctx, tag_dir=saved.tag_dir, model_state=model_state)
             if moe_checkpoint.loads_moe_optimizer_files(ctx):
                 moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, load_file)

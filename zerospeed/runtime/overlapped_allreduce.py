@@ -12,6 +12,10 @@ Because bucket membership and launch order are fixed, every rank issues the same
 the same order even when ranks use different parameters (MoE experts, data-dependent branches):
 a bucket waiting on a parameter this rank did not use simply launches at `finish()`. Only
 `wait()` is called on a handle: gloo's async handles have no usable futures.
+
+Over a group of one rank (the experts of an expert-data-parallel group of one, [Note: a group of
+one] in runtime/zero/grad_buckets.py) a bucket is not flattened: each gradient is scaled in place,
+in the communication dtype as the reduction would, and no copy of the bucket is held until `finish`.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class OverlappedAllReduce:
         self.buckets = plan_buckets([p.numel() for p in params], dtypes, bucket_numel)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self.group = group
+        self.world_size = comm.get_world_size(group)
         self.comm_dtype = settings.communication_dtype
         # Expert gradients are summed over a smaller group but averaged over the data-parallel world
         # ([Note: expert gradient reduction] in expert_gradients.py).
@@ -86,13 +91,28 @@ class OverlappedAllReduce:
 
     def _launch(self, bucket_index: int, grad_of: Callable[[int], torch.Tensor]) -> None:
         grads = [grad_of(index) for index in self.buckets[bucket_index]]
+        self._next_bucket = bucket_index + 1
+        if self.world_size == 1:
+            for grad in grads:
+                self._average_alone(grad)
+            return
         flat = _flatten_dense_tensors(grads)
         flat = flat.to(self.comm_dtype) if flat.dtype != self.comm_dtype else flat
         if self.before != 1.0:
             flat.mul_(self.before)
         handle = comm.all_reduce(flat, group=self.group, async_op=True)
         self._launched.append(_Launched(grads, flat, handle))
-        self._next_bucket = bucket_index + 1
+
+    def _average_alone(self, grad: torch.Tensor) -> None:
+        """The averaging of a one-rank reduction, in place: the same roundings as flatten, scale, copy back."""
+        if self.before == 1.0 and self.after == 1.0:
+            return
+        scaled = grad if grad.dtype == self.comm_dtype else grad.to(self.comm_dtype)
+        for factor in (self.before, self.after):
+            if factor != 1.0:
+                scaled.mul_(factor)
+        if scaled is not grad:
+            grad.copy_(scaled)
 
     def finish(self, grad_of: Callable[[int], torch.Tensor]) -> None:
         """Launch the buckets not yet launched (zeros where no gradient came), wait, copy back."""

@@ -120,8 +120,10 @@ def _comm_volume_per_step():
 def test_comm_volume_is_two_gathers_and_one_reduce_scatter_per_step():
     for padded_bytes, per_step in run_on_ranks(_comm_volume_per_step, 2):
         for volume in per_step:  # step 1 records the trace, steps 2-3 prefetch from it
-            assert set(volume) == {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}
+            assert set(volume) == {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+                                   "zero3.module_order_check"}
             assert volume["all_gather_into_tensor"] == 2 * padded_bytes
+            assert volume["zero3.module_order_check"] == 2 * 2 * 8   # (count, hash) of each rank, int64
             assert volume["reduce_scatter_tensor"] == padded_bytes
             assert volume["all_reduce"] <= 8  # the squared gradient norm (float64)
 

@@ -121,7 +121,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     log_trace_cache_warnings: bool = False
     """Log when the stage-3 trace is invalidated."""
     enable_sanity_checks: bool = False
-    """Cross-rank consistency asserts."""
+    """Stage 3: compare the gathered ds_ids across ranks before every gather ([Note: gather-order check])."""
+    check_module_order: bool = _stage3("check_module_order", True)
+    """zerospeed's, stage 3: once per backward, check that every rank gathered the same parameters in
+    the same order, i.e. called the same submodules ([Note: gather-order check]); one small all-gather."""
     save_muon_momentum_buffer_in_memory: bool = False
     """Muon with nvme."""
     leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)

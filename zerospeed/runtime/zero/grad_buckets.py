@@ -30,6 +30,15 @@ collectives] in comm/in_flight.py), three buckets of communication memory at the
 Every rank must produce gradients in the same order (the same graph), as in DeepSpeed, so that
 all ranks issue the same collectives.
 
+[Note: a group of one] A param group partitioned over one rank (an expert group whose
+expert-data-parallel group is one rank: ep_size = world size, every rank holds experts no other
+rank holds; or any group of a one-rank run) has nothing to exchange. Its
+gradients skip the bucket: each is scaled by the averaging factors, in the order and dtype a
+reduction would apply them (so the bits equal the bucketed path's), and added straight into the
+partition. A bucket of such a group would otherwise hold the whole group's gradients, and the
+exchange over one rank a second copy and its sum a third: 3x the group's gradient bytes at the
+peak (bench_moe.py, 2 ranks at ep 2: the largest part of the peak RSS above DeepSpeed's).
+
 With optimizer offload the destinations are host buffers and the reducer hands each reduced
 slice to a `HostGradientSink` (host_grads.py) instead of writing it in place: the copy to host
 memory then overlaps the rest of backward; the wrapper synchronizes the sink at its end.
@@ -84,6 +93,9 @@ class GradReducer:
         """Sum `rows` ([W * n], one row per rank) over ranks; this rank's row into `dest` ([n])."""
         self._scale(rows, self.before)
         row_numel = rows.numel() // self.world_size
+        if self.world_size == 1:   # [Note: a group of one]
+            self._store(dest, self._scale(rows, self.after), accumulate=False)
+            return
         if self.use_reduce_scatter:
             output = torch.empty(row_numel, dtype=rows.dtype, device=rows.device)
             handle = comm.reduce_scatter_tensor(output, rows, group=self.group, async_op=self.overlap_comm)
@@ -126,6 +138,15 @@ class GradReducer:
                 reduced = self._scale(total.narrow(0, start, owned.numel), self.after)
                 self._store(owned.dest, reduced, accumulate)
         self._in_flight.submit(handle, finish, keepalive)
+
+    def store_local(self, grad: torch.Tensor, dest: torch.Tensor, comm_dtype: torch.dtype, accumulate: bool) -> None:
+        """A group of one rank ([Note: a group of one]): `grad` ([n]) averaged as `reduce_to_owners`
+        would (in `comm_dtype`, `before` then `after`), added (or copied) into `dest` ([n]).
+        `grad` itself is never modified."""
+        scaled = self.before != 1.0 or self.after != 1.0
+        if grad.dtype != comm_dtype or scaled:
+            grad = grad.to(comm_dtype, copy=True)
+        self._store(dest, self._scale(self._scale(grad, self.before), self.after), accumulate)
 
     def wait_all(self) -> None:
         self._in_flight.drain()
@@ -203,6 +224,13 @@ class GradientBuckets:
                                "produced twice before the backward epilogue (ZeRO stage 2 reduces each "
                                "gradient once per backward; no_sync is not supported at stage 2).")
         self._arrived.add(key)
+        if self.reducer.world_size == 1:   # [Note: a group of one]: no bucket, no exchange
+            flat = grad.detach().reshape(-1)
+            for _, frag in self.owners[group_index][param_index]:
+                dest = self.partitions[group_index].narrow(0, frag.partition_start, frag.numel)
+                self.reducer.store_local(flat.narrow(0, frag.param_start, frag.numel), dest, self.comm_dtype,
+                                         self.accumulate)
+            return
         numel = grad.numel()
         if self._entries and self._filled + numel > self.bucket_numel:
             self._reduce_bucket()

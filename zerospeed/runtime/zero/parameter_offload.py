@@ -36,12 +36,14 @@ from zerospeed.runtime.zero.param_state import (
     set_strict,
 )
 from zerospeed.runtime.zero.partition_parameters import (
+    compute_device,
     convert_to_zero_param,
     external_parameters,
     gather_params,
     register_external_parameter,
     release_params,
 )
+from zerospeed.runtime.zero.gather_order_check import GatherOrderCheck
 from zerospeed.runtime.zero.offload_client_hooks import OffloadClientHooks
 from zerospeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from zerospeed.utils.z3_leaf_module import (apply_zero_leaf_module_config, get_z3_leaf_modules, set_z3_leaf_modules,
@@ -118,6 +120,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
             max_live_parameters=zero_config.max_live_parameters,
             max_reuse_distance=zero_config.max_reuse_distance, all_params=self.params)
         self._module_ids: dict[int, int] = {}
+        self._module_names: dict[int, str] = {}   # module id -> "qualified.name (Class)", for errors
         self._fwd_stack: list[torch.nn.Module] = []
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
@@ -126,6 +129,10 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
         self.leaf_param_ids = {p.zs_state.ds_id for m in get_z3_leaf_modules(module)
                                for p in m.parameters() if is_zero_param(p)}
+        if zero_config.check_module_order or zero_config.enable_sanity_checks:   # [Note: gather-order check]
+            self.coordinator.order_check = GatherOrderCheck(
+                dp_group, lambda module_id: self._module_names.get(module_id, "(outside any module)"),
+                compute_device(), every_gather=zero_config.enable_sanity_checks)
         for param in self.params:
             set_strict(param)
 
@@ -158,9 +165,11 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
     def _install_hooks(self, root: torch.nn.Module) -> None:
         counter = 0
         pending = [root]
+        names = {id(m): name for name, m in root.named_modules()}
         while pending:  # pre-order; z3 leaves are not recursed into
             module = pending.pop(0)
             self._module_ids[id(module)] = counter
+            self._module_names[counter] = f"{names.get(id(module)) or '(root)'} ({type(module).__name__})"
             counter += 1
             module.__dict__["ds_id"] = self._module_ids[id(module)]
             if not isinstance(module._parameters, _ZeroParamDict):
@@ -224,8 +233,14 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
             return
         borrower = self._fwd_stack[-1]
         register_external_parameter(borrower, param)
-        self.coordinator.fetch_now(param)
+        self.coordinator.fetch_now(param, self._module_ids[id(borrower)])
         param.zs_state.active_sub_modules.add(self._module_ids[id(borrower)])
+
+    def check_module_order(self) -> None:
+        """End of a backward: raise `ModuleOrderError` if the ranks gathered different parameters in it
+        ([Note: gather-order check]). Every rank calls it once per backward."""
+        if self.coordinator.order_check is not None:
+            self.coordinator.order_check.end_backward()
 
     def partition_all_parameters(self) -> None:
         self._fwd_stack.clear()

@@ -21,6 +21,8 @@ Invariants
   refreshed after each optimizer step.
 - With `offload_param: nvme`, partitions the trace needs next are read from disk ahead of their
   gather (`_read_ahead`), bounded by the swapper's budget, not by `max_live_parameters`.
+- Every gather it issues is logged for the cross-rank check of gather_order_check.py ([Note:
+  gather-order check]), under the module being fetched.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from zerospeed.runtime.zero.gather_order_check import GatherOrderCheck
 from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus
 from zerospeed.runtime.zero.partition_parameters import MultiGatherHandle, gather_params, release_params
 from zerospeed.utils.logging import logger
@@ -69,6 +72,8 @@ class PartitionedParameterCoordinator:
         self.num_invalidations = 0
         self._warned = False
         self._swapping = False
+        self.order_check: GatherOrderCheck | None = None   # set by DeepSpeedZeRoOffload
+        self._fetching = (-1, True)     # (module id, forward) of the fetch in progress, for the log
 
     # --- trace --------------------------------------------------------------------------------
     def is_complete_trace(self) -> bool:
@@ -85,6 +90,8 @@ class PartitionedParameterCoordinator:
             self.trace_mode = ZeRoTraceMode.RECORD
         self.step_id = 0
         self._swapping = any(p.zs_state.swapped is not None for p in self.all_params)
+        if self.order_check is not None:
+            self.order_check.reset()
 
     def _check_trace(self, entry: TraceEntry) -> None:
         if self.trace_mode is ZeRoTraceMode.RECORD:
@@ -116,6 +123,7 @@ class PartitionedParameterCoordinator:
     # --- fetch --------------------------------------------------------------------------------
     def fetch_sub_module(self, module_id: int, params: tuple[ZeroParameter, ...], forward: bool) -> None:
         self._check_trace(TraceEntry(module_id, forward, params))
+        self._fetching = (module_id, forward)
         self._start_gather([p for p in params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE])
         for param in params:
             handle = self._inflight.get(param.zs_state.ds_id)
@@ -129,9 +137,11 @@ class PartitionedParameterCoordinator:
                 self._read_ahead()
         self.step_id += 1
 
-    def fetch_now(self, param: ZeroParameter) -> None:
-        """A synchronous fetch of one parameter (one read during forward outside its module)."""
+    def fetch_now(self, param: ZeroParameter, module_id: int = -1) -> None:
+        """A synchronous fetch of one parameter (one read during forward outside its module
+        `module_id`, the one running)."""
         if param.zs_state.status is ZeroParamStatus.NOT_AVAILABLE:
+            self._fetching = (module_id, True)
             self._start_gather([param])
         handle = self._inflight.get(param.zs_state.ds_id)
         if handle is not None:
@@ -140,6 +150,9 @@ class PartitionedParameterCoordinator:
     def _start_gather(self, params: list[ZeroParameter], async_op: bool = False) -> None:
         if not params:
             return
+        if self.order_check is not None:   # [Note: gather-order check]; prefetches are the async gathers
+            ds_ids = sorted({p.zs_state.ds_id for p in params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE})
+            self.order_check.record(*self._fetching, async_op, ds_ids)
         handle = gather_params(params, async_op=async_op)
         for param in handle.params:
             self._inflight[param.zs_state.ds_id] = handle

@@ -203,6 +203,8 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
 
     # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
     def backward_epilogue(self, is_boundary: bool) -> None:
+        # before any gradient of this backward is reduced or stepped: [Note: gather-order check]
+        self.parameter_offload.check_module_order()
         self.gradients.end_backward()
         self.parameter_offload.partition_all_parameters()
 

@@ -353,6 +353,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     def _all_gather_group(self, group: _FlatGroup) -> None:
         world_size, part_numel = group.world_size, group.layout.partition_numel
+        if world_size == 1:   # the partition is the whole buffer ([Note: a group of one] in grad_buckets.py)
+            return
         rows = group.lp_flat.view(world_size, part_numel)
         for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
             # No copy of the shard: a whole-partition gather is in place (its input is this rank's
