@@ -1,0 +1,52 @@
+"""[Note: attention output in one layout]: after a Ulysses forward the attention's own output (head
+layout) is no longer alive, only the exchanged one that the next projection saves, and backward
+still gives the gradients of the plain computation (2 gloo ranks)."""
+
+import gc
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from distributed import run_on_ranks
+from zerospeed import comm
+
+SEQ, HEADS, DIM = 8, 4, 8
+
+
+def _sdpa_recording(refs):
+    def local(q, k, v, *unused):   # [b, s, h, d] -> [b, s, h, d]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = out.transpose(1, 2).contiguous()
+        refs.append(weakref.ref(out))
+        return out
+    return local
+
+
+def _run():
+    from zerospeed.sequence.layer import DistributedAttention
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, SEQ, HEADS, DIM) for _ in range(3))
+    proj = torch.nn.Linear(HEADS * DIM, 3)
+    refs = []
+    cols = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+    mine = [t[:, cols].clone().requires_grad_() for t in (q, k, v)]
+    out = DistributedAttention(_sdpa_recording(refs), torch.distributed.group.WORLD)(*mine, 0)
+    loss = proj(out.reshape(1, -1, HEADS * DIM)).square().sum()
+    gc.collect()
+    head_layout_alive = refs[0]() is not None
+    loss.backward()
+    # Backward through every rank's slice loss is backward through the whole sequence's loss.
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    proj(_sdpa_recording([])(*full).reshape(1, SEQ, HEADS * DIM)).square().sum().backward()
+    worst = max(((m.grad - f.grad[:, cols]).abs().max() / f.grad.abs().max()).item() for m, f in zip(mine, full))
+    return head_layout_alive, worst
+
+
+def test_attention_output_is_kept_in_one_layout():
+    results = run_on_ranks(_run, 2)
+    for alive, worst in results:
+        assert not alive   # only the exchanged output is held for backward
+        assert worst < 1e-5
