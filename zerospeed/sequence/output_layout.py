@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
 
 import torch
 
