@@ -4,7 +4,9 @@ backward, not 4) and still gives the gradients of the plain computation (2 gloo 
 
 from unittest import mock
 
+import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 from distributed import run_on_ranks
@@ -18,7 +20,7 @@ def _sdpa(q, k, v, *unused):   # [b, s, h, d] -> [b, s, h, d]
     return out.transpose(1, 2).contiguous()
 
 
-def _run():
+def _run(checkpointed):
     from zerospeed.sequence.layer import DistributedAttention
 
     world, rank = comm.get_world_size(), comm.get_rank()
@@ -27,7 +29,11 @@ def _run():
     proj = torch.nn.Linear(HEADS * DIM, 3)
     cols = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
     mine = [t[:, cols].clone().requires_grad_() for t in (q, k, v)]
-    out = DistributedAttention(_sdpa, torch.distributed.group.WORLD)(*mine, 0)
+    attention = DistributedAttention(_sdpa, torch.distributed.group.WORLD)
+    if checkpointed:   # non-reentrant checkpointing holds nothing and recomputes: ours steps aside
+        out = torch.utils.checkpoint.checkpoint(attention, *mine, 0, use_reentrant=False)
+    else:
+        out = attention(*mine, 0)
     loss = proj(out.reshape(1, -1, HEADS * DIM)).square().sum()
     with mock.patch.object(comm, "all_to_all_single", wraps=comm.all_to_all_single) as exchange:
         loss.backward()
@@ -38,8 +44,11 @@ def _run():
     return exchange.call_count, worst
 
 
-def test_attention_output_is_kept_in_one_layout():
-    results = run_on_ranks(_run, 2)
-    for backward_exchanges, worst in results:
-        assert backward_exchanges == 5   # q, k, v and output gradients, and the output rebuilt
+@pytest.mark.parametrize("checkpointed, exchanges", [
+    (False, 5),   # q, k, v and output gradients, and the output rebuilt
+    (True, 8),    # the forward recomputed (4) and the 4 gradients; nothing rebuilt
+])
+def test_attention_output_is_kept_in_one_layout(checkpointed, exchanges):
+    for backward_exchanges, worst in run_on_ranks(_run, 2, checkpointed):
+        assert backward_exchanges == exchanges
         assert worst < 1e-5

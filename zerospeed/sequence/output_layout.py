@@ -16,7 +16,8 @@ rebuilt on the result. Cost: one more all-to-all of the output per layer in back
 of the group runs the same backward graph, so the extra collective lines up on all of them. A
 saved tensor that does not share the output's storage (q, k, v, the log-sum-exp, a kernel's own
 copy) is kept as it is; an output that is not one dense block (a kernel that returns a view into
-something larger) keeps everything, so the saving is skipped, never wrong.
+something larger) keeps everything, so the saving is skipped, never wrong. Under other saved-tensor
+hooks (non-reentrant activation checkpointing recomputes the attention anyway) it does nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class _Saved:
 
     def defer(self, source: _Rebuilt) -> None:
         assert self.tensor is not None
-        self.view = (self.tensor.shape, self.tensor.stride(), self.tensor.storage_offset())
+        self.view = (self.tensor.shape, self.tensor.stride(), int(self.tensor.storage_offset()))
         self.source, self.tensor = source, None
 
     def unpack(self) -> torch.Tensor:
@@ -81,6 +82,7 @@ class SingleLayoutOutput:
     def __init__(self) -> None:
         self._saved: list[_Saved] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack)
+        self._active = False
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
@@ -88,19 +90,25 @@ class SingleLayoutOutput:
         return saved
 
     def __enter__(self) -> SingleLayoutOutput:
-        self._hooks.__enter__()
+        # Hooks already in place (non-reentrant activation checkpointing, activation offload) decide
+        # what is kept; ours would take the attention's tensors away from them, so step aside.
+        top = torch._C._autograd._top_saved_tensors_default_hooks
+        self._active = top(False) is None
+        if self._active:
+            self._hooks.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        self._hooks.__exit__(kind, error, traceback)
+        if self._active:
+            self._hooks.__exit__(kind, error, traceback)
 
     def keep_exchanged_only(self, output: torch.Tensor, exchanged: torch.Tensor,
                             to_heads: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Saved tensors sharing ``output``'s storage are rebuilt from ``exchanged`` in backward,
         ``to_heads(exchanged)`` giving back a tensor equal to ``output`` (its shape, contiguous)."""
         saved, self._saved = self._saved, []
-        if not torch.is_grad_enabled() or not _dense_block(output):
+        if not self._active or not torch.is_grad_enabled() or not _dense_block(output):
             return
         storage = output.untyped_storage().data_ptr()
         source = _Rebuilt(exchanged, to_heads)

@@ -152,6 +152,7 @@ CASES = [
     (1, 4, 2, 4, 4),   # sp 2 x dp 2 -> sp 4 x dp 1 on 4 ranks
     (3, 4, 2, 4, 4),
     (1, 2, 2, 4, 2),   # sp 2 on 2 ranks -> sp 2 x dp 2 on 4 ranks (the ZeRO partitions recut)
+    (3, 2, 2, 4, 2),
 ]
 
 
