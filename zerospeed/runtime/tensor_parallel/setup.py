@@ -165,7 +165,8 @@ def _refuse_unsupported_combinations(tp_size: int, raw_config: dict[str, Any], m
 
 
 def check_engine_supported(zero_stage: int, has_moe_layers: bool) -> None:
-    """AutoTP trains at ZeRO stages 0-2 (as DeepSpeed validates), without MoE layers."""
+    """AutoTP trains here at ZeRO stages 0-2 (DeepSpeed 0.19.8 also at stage 3), without MoE layers;
+    the same refusals as `_refuse_unsupported_combinations`, on the parsed config."""
     if zero_stage >= 3:
         raise ValueError(f"tensor_parallel.autotp_size > 1 with zero_optimization.stage={zero_stage} is not "
                          "supported (DeepSpeed 0.19.8 allows it; zerospeed does not yet): use stage 0, 1 or 2")
