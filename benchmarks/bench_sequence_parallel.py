@@ -11,7 +11,15 @@ one sample of that length; with sp 2 through `register_with_transformers` and th
 rank). Memory grows linearly in the length here (sdpa on CPU does not materialise the score
 matrix), so the longest length within the budget is solved from a least-squares line through the
 measured points. All-to-all bytes are the comms logger's payload (the input tensor) per attention
-layer per step; theory: 2 (forward + backward) x 4 bytes x (s / sp) x head_dim x (2 H + 2 H_kv).
+layer per step; theory: 4 bytes x (s / sp) x head_dim x (2 (2 H + 2 H_kv) + H): q, k, v and the
+output forward, their gradients backward, and the output once more in backward, where it is
+rebuilt instead of being kept in two layouts ([Note: attention output in one layout]).
+
+Host allocator: by default every worker runs with glibc's mmap threshold fixed at 1 MiB
+(``MALLOC_MMAP_THRESHOLD_``, ``--malloc-mmap-threshold-mib``), the CPU counterpart of the CUDA
+allocator setting in DeepSpeed's ALST recipe: freed activations go back to the system instead
+of staying in malloc's heap, so peak RSS follows the live tensors. ``0`` keeps glibc's dynamic
+threshold (docs/benchmarks.md has both).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ def _worker(rank: int, world: int, init_file: str, length: int, hidden: int, lay
 
 
 def measure(sp: int, length: int, hidden: int, layers: int) -> dict:
+    """Peak RSS (largest rank) and all-to-all bytes of one step; spawned workers inherit the environment."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_worker, args=(sp, os.path.join(tmp, "rdzv"), length, hidden, layers, out),
@@ -83,7 +92,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--sps", type=int, nargs="+", default=[1, 2], help="sequence-parallel sizes to run")
+    parser.add_argument("--malloc-mmap-threshold-mib", type=float, default=1.0,
+                        help="glibc mmap threshold for the workers (MALLOC_MMAP_THRESHOLD_); 0: glibc's dynamic default")
     args = parser.parse_args()
+    if args.malloc_mmap_threshold_mib > 0:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.malloc_mmap_threshold_mib * (1 << 20)))
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    print(f"host allocator: MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc dynamic)')}")
     head_dim = args.hidden // HEADS
     print("| sp | length | peak RSS MiB (max rank) | all-to-all bytes / layer / step | theory |")
     print("|---|---|---|---|---|")
@@ -92,7 +108,7 @@ def main() -> None:
         points = []
         for length in args.lengths:
             result = measure(sp, length, args.hidden, args.layers)
-            theory = 0 if sp == 1 else 2 * 4 * (length // sp) * head_dim * (2 * HEADS + 2 * KV_HEADS)
+            theory = 0 if sp == 1 else 4 * (length // sp) * head_dim * (2 * (2 * HEADS + 2 * KV_HEADS) + HEADS)
             per_layer = result["a2a_bytes"] // args.layers
             print(f"| {sp} | {length} | {result['peak_mib']:.0f} | {per_layer} | {theory} |", flush=True)
             points.append((length, result["peak_mib"]))

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.sequence.all_to_all import SeqAllToAll, head_split
+from zerospeed.sequence.all_to_all import SeqAllToAll, head_split, heads_to_sequence
+from zerospeed.sequence.output_layout import SingleLayoutOutput
 
 __all__ = ["DistributedAttention", "apply_rotary_pos_emb"]
 
@@ -59,14 +60,15 @@ class DistributedAttention(torch.nn.Module):
         self.sp_stream = sp_stream
         self.num_kv_heads = num_kv_heads
 
-    def _exchange(self, x: torch.Tensor, seq_dim: int, kv_heads: int, to_sequence: bool) -> torch.Tensor:
+    def _split(self, x: torch.Tensor, kv_heads: int, to_sequence: bool) -> list[int]:
         sp_size = comm.get_world_size(self.spg)
-        heads = x.shape[2] if to_sequence else None
-        if heads is None:  # output direction: the local head count tells the full one
-            local = x.shape[2]
-            heads = local * kv_heads // head_split(kv_heads, kv_heads, sp_size)[comm.get_rank(self.spg)]
-        split = head_split(heads, kv_heads, sp_size)
-        return SeqAllToAll.apply(x, self.spg, seq_dim, split, to_sequence)
+        heads = x.shape[2]
+        if not to_sequence:  # output direction: the local head count tells the full one
+            heads = heads * kv_heads // head_split(kv_heads, kv_heads, sp_size)[comm.get_rank(self.spg)]
+        return head_split(heads, kv_heads, sp_size)
+
+    def _exchange(self, x: torch.Tensor, seq_dim: int, kv_heads: int, to_sequence: bool) -> torch.Tensor:
+        return SeqAllToAll.apply(x, self.spg, seq_dim, self._split(x, kv_heads, to_sequence), to_sequence)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int,
                 rotary_pos_emb: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -81,5 +83,9 @@ class DistributedAttention(torch.nn.Module):
         if rotary_pos_emb is not None:  # DeepSpeed's layout: (cos, sin), each [b, s, 1, d] -> [s, b, 1, d]
             cos, sin = rotary_pos_emb[0].permute(1, 0, 2, 3), rotary_pos_emb[1].permute(1, 0, 2, 3)
             q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
-        context = self.local_attn(q, k, v, *args, **kwargs)
-        return self._exchange(context, seq_dim, kv_heads, to_sequence=False)
+        with SingleLayoutOutput() as saved:   # [Note: attention output in one layout]
+            context = self.local_attn(q, k, v, *args, **kwargs)
+        split = self._split(context, kv_heads, to_sequence=False)
+        out = SeqAllToAll.apply(context, self.spg, seq_dim, split, False)
+        saved.keep_exchanged_only(context, out, lambda x: heads_to_sequence(x, seq_dim, split, self.spg))
+        return out

@@ -27,7 +27,8 @@ from zerospeed.runtime.sequence_parallel.tiled_compute import (
     TiledMLP,
     sequence_tiled_compute,
 )
-from zerospeed.sequence.all_to_all import SeqAllToAll, head_split
+from zerospeed.sequence.all_to_all import SeqAllToAll, head_split, heads_to_sequence
+from zerospeed.sequence.output_layout import SingleLayoutOutput
 
 __all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
            "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute"]
@@ -91,9 +92,15 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self.kv_replication_factor > 1:  # the local query/KV ratio changed with the replication
             module.num_key_value_groups = q.shape[1] // k.shape[1]
         # HF built the mask for the local slice; causal attention over the full rows needs none.
-        context, weights = self.attn(module, q, k, v, None, *args, **kwargs)  # [b, s, h_local, d]
-        out = SeqAllToAll.apply(context.contiguous(), self.process_group, 1, self.q_split, False)
+        with SingleLayoutOutput() as saved:   # [Note: attention output in one layout]
+            context, weights = self.attn(module, q, k, v, None, *args, **kwargs)  # [b, s, h_local, d]
+        context = context.contiguous()
+        out = SeqAllToAll.apply(context, self.process_group, 1, self.q_split, False)
+        saved.keep_exchanged_only(context, out, self._output_to_heads)
         return out, weights
+
+    def _output_to_heads(self, out: torch.Tensor) -> torch.Tensor:
+        return heads_to_sequence(out, 1, self.q_split, self.process_group)
 
     @classmethod
     def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,

@@ -129,6 +129,7 @@ def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -
     config = resolve_tp_config(raw_config, model)
     if config.tp_size <= 1:
         return None
+    _refuse_unsupported_combinations(config.tp_size, raw_config, mpu)
     if mpu is not None:
         raise ValueError("tensor_parallel.autotp_size > 1 builds its own groups; do not pass an mpu as well")
     world_size = comm.get_world_size()
@@ -142,10 +143,32 @@ def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -
     return TensorParallelSetup(config, tp.group, groups.get_data_parallel_group(), plan)
 
 
+def _refuse_unsupported_combinations(tp_size: int, raw_config: dict[str, Any], mpu: Any) -> None:
+    """Refuse, before the model is cut, what AutoTP does not combine with here.
+
+    Ulysses sequence parallelism: DeepSpeed 0.19.8 has no data x sequence x tensor grid either (its
+    tp mesh and its sp mesh are each built over the whole world, so both would claim the same
+    consecutive ranks; its AutoEP folding names the two mutually exclusive). ZeRO stage 3:
+    DeepSpeed 0.19.8 trains it, zerospeed does not yet (docs/compatibility.md).
+    """
+    sp_size = raw_config.get("sequence_parallel_size", 1)
+    if (isinstance(sp_size, int) and sp_size > 1) or hasattr(mpu, "get_sequence_parallel_group"):
+        given = (f"sequence_parallel_size={sp_size}" if isinstance(sp_size, int) and sp_size > 1
+                 else "an mpu with a sequence-parallel group (UlyssesSPAttentionHF.register_with_transformers)")
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} together with Ulysses sequence parallelism "
+                         f"({given}) is not supported (DeepSpeed 0.19.8 has no combined layout either): "
+                         "use one of the two")
+    stage = (raw_config.get("zero_optimization") or {}).get("stage", 0)
+    if isinstance(stage, int) and stage >= 3:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} with zero_optimization.stage={stage} is not "
+                         "supported (DeepSpeed 0.19.8 allows it; zerospeed does not yet): use stage 0, 1 or 2")
+
+
 def check_engine_supported(zero_stage: int, has_moe_layers: bool) -> None:
-    """AutoTP trains at ZeRO stages 0-2 (as DeepSpeed validates), without MoE layers."""
+    """AutoTP trains here at ZeRO stages 0-2 (DeepSpeed 0.19.8 also at stage 3), without MoE layers;
+    the same refusals as `_refuse_unsupported_combinations`, on the parsed config."""
     if zero_stage >= 3:
-        raise ValueError("tensor_parallel.autotp_size > 1 with zero_optimization.stage 3 is not supported; "
-                         "use stage 0, 1 or 2")
+        raise ValueError(f"tensor_parallel.autotp_size > 1 with zero_optimization.stage={zero_stage} is not "
+                         "supported (DeepSpeed 0.19.8 allows it; zerospeed does not yet): use stage 0, 1 or 2")
     if has_moe_layers:
         raise ValueError("tensor_parallel.autotp_size > 1 with MoE layers is not supported")

@@ -1,0 +1,49 @@
+"""What AutoTP refuses, before it cuts the model: Ulysses sequence parallelism (from the ds_config or
+from ALST's mpu) and ZeRO stage 3. Each error names the keys; the model is left whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+
+
+class _SequenceParallelMpu:
+    """Stands for the mpu `UlyssesSPAttentionHF.register_with_transformers` returns."""
+
+    @staticmethod
+    def get_sequence_parallel_group():
+        return None
+
+
+def _try(case: str) -> tuple[str, list[int]]:
+    import zerospeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1}}
+    mpu = None
+    if case == "sp_config":
+        config["sequence_parallel_size"] = 2
+    elif case == "sp_mpu":
+        mpu = _SequenceParallelMpu()
+    else:
+        config["zero_optimization"] = {"stage": 3}
+    try:
+        zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    except ValueError as error:
+        return str(error), [int(p.numel()) for p in model.parameters()]
+    return "", []
+
+
+@pytest.mark.parametrize("case, words", [
+    ("sp_config", ["tensor_parallel.autotp_size=2", "sequence_parallel_size=2", "DeepSpeed 0.19.8"]),
+    ("sp_mpu", ["tensor_parallel.autotp_size=2", "register_with_transformers", "sequence parallelism"]),
+    ("zero3", ["tensor_parallel.autotp_size=2", "zero_optimization.stage=3", "stage 0, 1 or 2"]),
+])
+def test_autotp_refuses_before_sharding(case, words):
+    for message, numels in run_on_ranks(_try, 2, case):
+        assert message and all(word in message for word in words), message
+        assert numels == [64, 8, 64, 8]   # nothing was cut
