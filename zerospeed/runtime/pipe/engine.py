@@ -63,6 +63,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.eval_return_logits = False
         self._batch_time_s = 0.0
         self.last_batch_seconds: dict[str, float] = {}
+        self.last_batch_timeline: list[tuple[str, float, float]] = []
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -138,6 +139,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         executor = StageExecutor(self, self.data_iterator, training=True)
         executor.run(self._schedule(True, self.micro_batches))
         self.last_batch_seconds = executor.seconds   # per instruction type, this stage
+        self.last_batch_timeline = executor.timeline
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_loss(executor.losses)
         self.monitoring.record_loss(self.agg_train_loss)
