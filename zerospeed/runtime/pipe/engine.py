@@ -26,6 +26,7 @@ from zerospeed.runtime.grad_utils import scale_, sum_of_squares
 from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
 from zerospeed.runtime.pipe.executor import StageExecutor
 from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
+from zerospeed.runtime.pipe.p2p import MessageSizes
 from zerospeed.runtime.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from zerospeed.runtime.pipe.schedule_lowering import GPipeSchedule, Interleaved1F1BSchedule
 from zerospeed.runtime.pipe.stage_grads import stage_gradients
@@ -60,6 +61,9 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.data_iterator = _repeat(self.training_dataloader)
         self.agg_train_loss: torch.Tensor | None = None
+        # Per peer, the size of the next activation message ([Note: one message per activation transfer]).
+        self.activation_bytes_sent: MessageSizes = {}
+        self.activation_bytes_received: MessageSizes = {}
         self.eval_return_logits = False
         self._batch_time_s = 0.0
         self.last_batch_seconds: dict[str, float] = {}

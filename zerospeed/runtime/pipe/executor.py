@@ -155,13 +155,15 @@ class StageExecutor:
         buffer.outputs = buffer.grads = buffer.loss = buffer.labels = None
 
     def _send_activation(self, cmd: ins.SendActivation) -> None:
-        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device))
+        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device,
+                                                self.engine.activation_bytes_sent))
         self._wait_sends(_MAX_PENDING_SENDS)
         if not self.training:
             self._buffer(cmd).outputs = None
 
     def _recv_activation(self, cmd: ins.RecvActivation) -> None:
-        self._buffer(cmd).inputs = p2p.recv_activations(self._peer(-1), self.engine.device)
+        self._buffer(cmd).inputs = p2p.recv_activations(self._peer(-1), self.engine.device,
+                                                        self.engine.activation_bytes_received)
 
     def _send_grad(self, cmd: ins.SendGrad) -> None:
         buffer = self._buffer(cmd)
