@@ -11,9 +11,13 @@ has no tied weights across stages), same partition (2 blocks a stage), M micro-b
 AdamW, fp32. Measured:
   - step time: median over the measured steps of the slowest rank (each step starts after a barrier),
     and CPU time summed over the ranks (less sensitive than wall time to other load on the machine);
-  - idle fraction per stage (zerospeed): 1 - (forward + backward seconds) / (seconds of the schedule
-    up to the data-parallel reduction and step), from the executor's per-instruction clock, against
-    the schedule's theory ((S-1)/(M+S-1) for 1F1B and GPipe; the lowered timing model for interleaved);
+  - idle fraction per stage (zerospeed), within the schedule's span: 1 - (the stage's forward +
+    backward seconds) / (from the first instruction on any stage to the end of the last forward or
+    backward on any stage), from the executor's timeline, against the schedule's theory ((S-1)/(M+S-1)
+    for 1F1B and GPipe; the lowered timing model for interleaved). The span is common to all stages
+    (timestamps from one machine-wide clock), as in the theory: a stage's own window would end
+    earlier on later stages (their last backward ends first) and understate their idle time. The
+    theory assumes equal stages; each stage's busy seconds are printed to show how equal they are;
   - stage-0 activation memory (zerospeed): bytes saved for backward and still alive (saved-tensor
     hooks, storages counted once, parameters excluded), peak over a step, in units of one
     micro-batch's saved bytes: the micro-batches in flight (1F1B's bound: S; GPipe holds M).
@@ -181,11 +185,22 @@ def _torch(schedule: str, config: Any, rank: int) -> tuple[Any, Any]:
 
 # --- the worker ----------------------------------------------------------------------------------
 
-def _idle(seconds: dict[str, float]) -> tuple[float, float]:
-    """(busy, pipeline) seconds of one batch: compute, and everything before the reduction and step."""
-    tail = sum(seconds.get(k, 0.0) for k in ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep"))
-    busy = seconds.get("ForwardPass", 0.0) + seconds.get("BackwardPass", 0.0)
-    return busy, sum(seconds.values()) - tail
+_COMPUTE = ("ForwardPass", "BackwardPass")
+
+
+def _timing(timeline: list[tuple[str, float, float]]) -> list[float]:
+    """[first instruction's start, last compute's end, compute seconds] of one stage's batch."""
+    compute = [(start, end) for name, start, end in timeline if name in _COMPUTE]
+    return [timeline[0][1], max(end for _, end in compute), sum(end - start for start, end in compute)]
+
+
+def _idle_in_span(timings: torch.Tensor) -> list[float]:
+    """Per stage, 1 - compute / span summed over the steps; `timings` is [stage, step, _timing()].
+    The span of a step runs from the first instruction on any stage to the last compute on any."""
+    if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+        return [float("nan")] * timings.shape[0]   # timestamps of different processes not comparable
+    span = (timings[:, :, 1].max(dim=0).values - timings[:, :, 0].min(dim=0).values).sum()
+    return [1.0 - float(timings[stage, :, 2].sum() / span) for stage in range(timings.shape[0])]
 
 
 def _theory(system: str, engine: Any) -> float:
@@ -209,7 +224,7 @@ def _worker(rank: int, system: str, init_file: str, results: Any) -> None:
     model, step = (_zerospeed(schedule, config, rank) if lib == "zs" else
                    _deepspeed(config, rank) if lib == "ds" else _torch(schedule, config, rank))
     saved = SavedActivations(list(model.parameters())) if lib == "zs" and rank == 0 else None
-    times, cpu, busy, window = [], [], 0.0, 0.0
+    times, cpu, timings = [], [], []
     batches = _batches(config)
     for index, batch in enumerate(batches):
         dist.barrier()
@@ -219,8 +234,7 @@ def _worker(rank: int, system: str, init_file: str, results: Any) -> None:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - cpu_start)
             if lib == "zs":
-                b, w = _idle(model.last_batch_seconds)
-                busy, window = busy + b, window + w
+                timings.append(_timing(model.last_batch_timeline))
     # Activation memory is measured on one extra, untimed step: the saved-tensor hooks cost CPU
     # time that the other systems' timed steps would not pay.
     dist.barrier()
@@ -230,9 +244,13 @@ def _worker(rank: int, system: str, init_file: str, results: Any) -> None:
     else:
         step(batches[-1])
     in_flight = saved.peak / (saved.total / M) if saved is not None else 0.0
-    row = torch.tensor([statistics.median(times), 1.0 - busy / window if window else 0.0,
-                        _theory(system, model) if lib == "zs" else 0.0, in_flight,
-                        saved.peak / 2**20 if saved else 0.0, statistics.median(cpu)], dtype=torch.float64)
+    local = torch.tensor(timings or [[0.0, 0.0, 0.0]] * len(times), dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(STAGES)]
+    dist.all_gather(gathered, local)
+    idle = _idle_in_span(torch.stack(gathered)) if lib == "zs" else [0.0] * STAGES
+    row = torch.tensor([statistics.median(times), idle[rank], _theory(system, model) if lib == "zs" else 0.0,
+                        in_flight, saved.peak / 2**20 if saved else 0.0, statistics.median(cpu),
+                        float(local[:, 2].mean())], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(STAGES)]
     dist.all_gather(rows, row)
     if rank == 0:
@@ -305,15 +323,16 @@ def main() -> None:
     for system, peer in (("zs-1f1b", "ds-1f1b"), ("zs-1f1b", "pt-1f1b"), ("zs-gpipe", "pt-gpipe")):
         if system in rounds and peer in rounds:
             print(f"{system} / {peer} per round: " + ", ".join(f"{a / b:.2f}" for a, b in zip(rounds[system], rounds[peer])))
-    print("\n| system | stage | idle measured | idle theory | stage-0 micro-batches in flight (peak) | stage-0 peak saved MiB |")
-    print("|---|---|---|---|---|---|")
+    print("\n| system | stage | idle in span, measured | idle theory | forward + backward s per step "
+          "| stage-0 micro-batches in flight (peak) | stage-0 peak saved MiB |")
+    print("|---|---|---|---|---|---|---|")
     for system, runs in by_system.items():
         if not system.startswith("zs"):
             continue
         rows = runs[-1]
         for stage, row in enumerate(rows):
             extra = f"{row[3]:.2f} | {row[4]:.1f}" if stage == 0 else " | "
-            print(f"| {system} | {stage} | {row[1]:.3f} | {row[2]:.3f} | {extra} |")
+            print(f"| {system} | {stage} | {row[1]:.3f} | {row[2]:.3f} | {row[6]:.3f} | {extra} |")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from zerospeed.runtime.grad_utils import scale_, sum_of_squares
 from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
 from zerospeed.runtime.pipe.executor import StageExecutor
 from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
+from zerospeed.runtime.pipe.p2p import MessageSizes
 from zerospeed.runtime.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from zerospeed.runtime.pipe.schedule_lowering import GPipeSchedule, Interleaved1F1BSchedule
 from zerospeed.runtime.pipe.stage_grads import stage_gradients
@@ -60,9 +61,13 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.data_iterator = _repeat(self.training_dataloader)
         self.agg_train_loss: torch.Tensor | None = None
+        # Per peer, the size of the next activation message ([Note: one message per activation transfer]).
+        self.activation_bytes_sent: MessageSizes = {}
+        self.activation_bytes_received: MessageSizes = {}
         self.eval_return_logits = False
         self._batch_time_s = 0.0
         self.last_batch_seconds: dict[str, float] = {}
+        self.last_batch_timeline: list[tuple[str, float, float]] = []
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -138,6 +143,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         executor = StageExecutor(self, self.data_iterator, training=True)
         executor.run(self._schedule(True, self.micro_batches))
         self.last_batch_seconds = executor.seconds   # per instruction type, this stage
+        self.last_batch_timeline = executor.timeline
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_loss(executor.losses)
         self.monitoring.record_loss(self.agg_train_loss)

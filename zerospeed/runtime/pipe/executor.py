@@ -57,7 +57,9 @@ class StageExecutor:
         self.buffers: dict[tuple[int, int], _Buffer] = {}
         self.losses: list[torch.Tensor] = []   # per micro-batch, in micro-batch order, last virtual stage
         self.logits: list[Any] = []
-        self.seconds: dict[str, float] = {}
+        # (instruction name, start, end) in execution order, on `time.perf_counter`: what
+        # benchmarks/bench_pipeline.py turns into each stage's idle fraction within the schedule's span.
+        self.timeline: list[tuple[str, float, float]] = []
         self._sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._handlers: dict[type, Callable[[Any], None]] = {
             ins.LoadMicroBatch: self._load, ins.ForwardPass: self._forward, ins.BackwardPass: self._backward,
@@ -68,16 +70,22 @@ class StageExecutor:
         }
 
     def run(self, schedule: Any) -> None:
-        """Execute every instruction; `seconds` gets the wall time spent per instruction type (what
-        benchmarks/bench_pipeline.py turns into each stage's measured idle fraction)."""
-        clock = time.perf_counter
+        """Execute every instruction, recording each one's start and end in `timeline`."""
+        clock, record = time.perf_counter, self.timeline.append
         for step in schedule:
             for cmd in step:
                 start = clock()
                 self._handlers[type(cmd)](cmd)
-                name = type(cmd).__name__
-                self.seconds[name] = self.seconds.get(name, 0.0) + clock() - start
+                record((type(cmd).__name__, start, clock()))
         self._wait_sends(0)   # not on an error: a peer that stopped would never receive
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds spent per instruction type."""
+        totals: dict[str, float] = {}
+        for name, start, end in self.timeline:
+            totals[name] = totals.get(name, 0.0) + end - start
+        return totals
 
     def _wait_sends(self, keep: int) -> None:
         """Complete the oldest pending sends until `keep` are left (bounds the memory they hold)."""
@@ -147,13 +155,15 @@ class StageExecutor:
         buffer.outputs = buffer.grads = buffer.loss = buffer.labels = None
 
     def _send_activation(self, cmd: ins.SendActivation) -> None:
-        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device))
+        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device,
+                                                self.engine.activation_bytes_sent))
         self._wait_sends(_MAX_PENDING_SENDS)
         if not self.training:
             self._buffer(cmd).outputs = None
 
     def _recv_activation(self, cmd: ins.RecvActivation) -> None:
-        self._buffer(cmd).inputs = p2p.recv_activations(self._peer(-1), self.engine.device)
+        self._buffer(cmd).inputs = p2p.recv_activations(self._peer(-1), self.engine.device,
+                                                        self.engine.activation_bytes_received)
 
     def _send_grad(self, cmd: ins.SendGrad) -> None:
         buffer = self._buffer(cmd)

@@ -5,12 +5,25 @@ first, for interleaved chunks). A blocking send waits until the peer posts its r
 measured, a send to a peer that receives 1 s later takes 1 s), so with blocking sends a stage that
 finished a micro-batch idles until its neighbour is ready, which the schedule's theory does not
 count. The send functions return their pending `Sends`; the executor waits on them later
-(executor.py), keeping the tensors alive until then. DeepSpeed's sends block. The wire format is ours and simple: every activation transfer starts with a fixed
-int64 header describing the tensors that follow, so shapes may change from one micro-batch to the
-next (DeepSpeed caches the first shapes unless `dynamic_shape=True`, and sends the metadata with
-its own pickled-object path otherwise):
+(executor.py), keeping the tensors alive until then. DeepSpeed's sends block.
+
+[Note: one message per activation transfer]
+The wire format is ours. An activation transfer is one message, a byte buffer: a fixed int64
+header describing the tensors, then each tensor's bytes at an offset aligned to 64 bytes (the
+CPU allocator's alignment, so kernels see the same alignment as in a fresh tensor):
 
     header = [num_tensors, (dtype_code, requires_grad, ndim, *shape) per tensor, 0-padding...]
+
+The receiver must post a receive of the right size, so each side remembers, per peer, the size
+of the last message (`MessageSizes`; a bare header before the first). When the sender's next
+message has another size (shapes changed), it first sends an announcement: the new header alone,
+padded to the size the receiver expects; the receiver sees that the header's size differs from
+the message's and receives again at the new size. Shapes may so change from any micro-batch to
+the next, at the cost of one more message only when they do. Over gloo a message costs far more
+CPU than its bytes (its rendezvous wakes both sides' transport threads), so a header in a message
+of its own on every transfer cost the receiving stage measurably more CPU than the copy into one
+buffer does (docs/benchmarks.md). DeepSpeed sends the shapes once and caches them unless
+`dynamic_shape=True`.
 
 Integer tensors (masks, position ids) cross without gradient. A gradient transfer needs no header:
 the receiving stage sent the activations and knows which of them require grad and their shapes.
@@ -18,15 +31,20 @@ the receiving stage sent the activations and knows which of them require grad an
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
 
 from zerospeed import comm
 
-__all__ = ["HEADER_NUMEL", "Sends", "recv_activations", "recv_grads", "send_activations", "send_grads"]
+__all__ = ["HEADER_NUMEL", "MessageSizes", "Sends", "recv_activations", "recv_grads", "send_activations",
+           "send_grads"]
 
 HEADER_NUMEL = 256
+_HEADER_BYTES = HEADER_NUMEL * 8
+_ALIGN_BYTES = 64
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
@@ -53,33 +71,77 @@ def _header(tensors: tuple[torch.Tensor, ...], is_tuple: bool) -> torch.Tensor:
     return torch.tensor(fields + [0] * (HEADER_NUMEL - len(fields)), dtype=torch.int64)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where one tensor of an activation message lies."""
+
+    dtype: torch.dtype
+    shape: list[int]
+    requires_grad: bool
+    offset: int
+    nbytes: int
+
+
+def _layout(fields: list[int]) -> tuple[bool, list[_Slot], int]:
+    """(is_tuple, each tensor's slot, message bytes) that a header describes."""
+    count, is_tuple = (fields[0], True) if fields[0] >= 0 else (1, False)
+    slots, position, offset = [], 1, _HEADER_BYTES
+    for _ in range(count):
+        code, requires_grad, ndim = fields[position:position + 3]
+        shape = fields[position + 3:position + 3 + ndim]
+        position += 3 + ndim
+        dtype = _DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        slots.append(_Slot(dtype, shape, bool(requires_grad), offset, nbytes))
+        offset += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+    return is_tuple, slots, offset
+
+
+def _view(message: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    return message[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
 Sends = list[tuple[Any, torch.Tensor]]   # (work, the tensor it reads), until waited on
+MessageSizes = dict[int, int]            # peer rank -> bytes of the next activation message from / to it
 
 
 def _isend(tensor: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
     return comm.isend(tensor, dst), tensor
 
 
-def send_activations(value: Any, dst: int, device: torch.device) -> Sends:
+def send_activations(value: Any, dst: int, device: torch.device, sizes: MessageSizes) -> Sends:
+    """Send `value` to `dst` as one message ([Note: one message per activation transfer]); `sizes`
+    is this stage's record of what it sent each peer, updated."""
     tensors = _as_tuple(value)
-    sends = [_isend(_header(tensors, isinstance(value, tuple)).to(device), dst)]
-    return sends + [_isend(tensor.detach().contiguous(), dst) for tensor in tensors]
+    header = _header(tensors, isinstance(value, tuple))
+    _, slots, message_bytes = _layout(header.tolist())
+    sends = []
+    expected = sizes.get(dst, _HEADER_BYTES)
+    if message_bytes != expected:
+        announcement = torch.zeros(expected, dtype=torch.uint8, device=device)
+        announcement[:_HEADER_BYTES].view(torch.int64).copy_(header)
+        sends.append(_isend(announcement, dst))
+        sizes[dst] = message_bytes
+    message = torch.empty(message_bytes, dtype=torch.uint8, device=device)
+    message[:_HEADER_BYTES].view(torch.int64).copy_(header)
+    for tensor, slot in zip(tensors, slots):
+        _view(message, slot).copy_(tensor.detach())
+    return sends + [_isend(message, dst)]
 
 
-def recv_activations(src: int, device: torch.device) -> Any:
-    """The activations `src` sent; floating ones that required grad there require grad here."""
-    header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=device)
-    comm.recv(header, src)
-    fields = header.tolist()
-    count, is_tuple = (fields[0], True) if fields[0] >= 0 else (1, False)
-    tensors, position = [], 1
-    for _ in range(count):
-        code, requires_grad, ndim = fields[position:position + 3]
-        shape = fields[position + 3:position + 3 + ndim]
-        position += 3 + ndim
-        tensor = torch.empty(shape, dtype=_DTYPES[code], device=device)
-        comm.recv(tensor, src)
-        tensors.append(tensor.requires_grad_(bool(requires_grad) and tensor.is_floating_point()))
+def recv_activations(src: int, device: torch.device, sizes: MessageSizes) -> Any:
+    """The activations `src` sent, as views of the received message; floating ones that required
+    grad there require grad here. `sizes` is this stage's record of what each peer sent, updated."""
+    expected = sizes.get(src, _HEADER_BYTES)
+    message = torch.empty(expected, dtype=torch.uint8, device=device)
+    comm.recv(message, src)
+    is_tuple, slots, message_bytes = _layout(message[:_HEADER_BYTES].view(torch.int64).tolist())
+    if message_bytes != expected:   # an announcement: the activations follow at their size
+        sizes[src] = message_bytes
+        message = torch.empty(message_bytes, dtype=torch.uint8, device=device)
+        comm.recv(message, src)
+    tensors = [_view(message, slot).requires_grad_(slot.requires_grad and slot.dtype.is_floating_point)
+               for slot in slots]
     return tuple(tensors) if is_tuple else tensors[0]
 
 
