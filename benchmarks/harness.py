@@ -167,8 +167,9 @@ def _ds_config(spec: RunSpec) -> dict[str, Any]:
 
 def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter,
            after_step: StateProbe) -> tuple[Any, Any, Any]:
-    """(forward_fn, backward_fn, step_fn) for the system under test; `after_step` is called after
-    each optimizer step, before gradients are zeroed."""
+    """(forward_fn, backward_fn, step_fn) for the system under test; `after_step` is called right
+    after each step of the torch optimizer (inside an engine's step: before its parameter all-gather
+    and zero_grad), where parameters, gradients and optimizer state all live."""
     if spec.system == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(None, _ddp_counting_hook(counter))
@@ -198,14 +199,24 @@ def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter,
         config = _ds_config(spec)
         config["comms_logger"] = {"enabled": True}
         engine, _, _, _ = zerospeed.initialize(model=model, config=config)
-        return engine, engine.backward, lambda: (engine.step(), after_step())
+        _torch_optimizer(engine.optimizer).register_step_post_hook(after_step)
+        return engine, engine.backward, engine.step
     if spec.system == "deepspeed":
         counter.install()  # before the import: deepspeed.comm binds torch.distributed's functions
         import deepspeed
 
         engine, _, _, _ = deepspeed.initialize(model=model, config=_ds_config(spec))
-        return engine, engine.backward, lambda: (engine.step(), after_step())
+        _torch_optimizer(engine.optimizer).register_step_post_hook(after_step)
+        return engine, engine.backward, engine.step
     raise ValueError(spec.system)
+
+
+def _torch_optimizer(wrapper: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside an engine's optimizer wrapper(s)."""
+    while not isinstance(wrapper, torch.optim.Optimizer) or isinstance(getattr(wrapper, "optimizer", None),
+                                                                        torch.optim.Optimizer):
+        wrapper = wrapper.optimizer
+    return wrapper
 
 
 def _comm_bytes(spec: RunSpec, counter: _CollectiveCounter) -> int:

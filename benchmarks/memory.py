@@ -7,7 +7,7 @@ thread that could miss a short-lived buffer or steal the rank's only core).
 
 Model state: every live CPU tensor the garbage collector can see (parameters, gradients,
 optimizer state, flat and bucket buffers held by Python objects), each storage once. Tensors held
-only by C++ (autograd's saved activations, DDP's reducer buckets) are not counted. `resident`
+only by C++ (autograd's saved activations) are not counted. `resident`
 counts only pages the process has touched (mincore), so a large preallocated buffer that was never
 written shows in `allocated` but not in `resident`.
 """
@@ -68,20 +68,21 @@ def live_tensor_mib() -> tuple[float, float]:
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_sparse:
             continue
-        try:
+        try:  # a wrapper (DTensor: its local tensor counts) or a freed storage (FSDP2's unsharded) raise
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a wrapper (DTensor): its local tensor counts
+            address, num_bytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
             continue
-        if storage.data_ptr() and storage.nbytes():
-            storages[storage.data_ptr()] = storage.nbytes()
+        if address and num_bytes:
+            storages[address] = num_bytes
     allocated = sum(storages.values())
     resident = sum(n * _resident_fraction(libc, ptr, n) for ptr, n in storages.items())
     return resident / _MIB, allocated / _MIB
 
 
 class StateProbe:
-    """Takes `live_tensor_mib()` once, at its first call after `arm()`: called right after the
-    optimizer step (before any zero_grad), where parameters, gradients and optimizer state all live."""
+    """Takes `live_tensor_mib()` once, at its first call after `arm()` (a step post-hook of the
+    torch optimizer)."""
 
     def __init__(self) -> None:
         self.armed = False
