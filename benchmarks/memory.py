@@ -18,6 +18,7 @@ import ctypes
 import gc
 import mmap
 import resource
+import warnings
 
 import torch
 
@@ -65,8 +66,11 @@ def live_tensor_mib() -> tuple[float, float]:
     """(resident MiB, allocated MiB) of the distinct CPU tensor storages reachable from Python."""
     libc = ctypes.CDLL(None, use_errno=True)
     storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_sparse:
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type != "cpu" or obj.is_sparse:
             continue
         try:  # a wrapper (DTensor: its local tensor counts) or a freed storage (FSDP2's unsharded) raise
             storage = obj.untyped_storage()
