@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -166,7 +167,7 @@ def _ds_config(spec: RunSpec) -> dict[str, Any]:
 
 
 def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter,
-           after_step: StateProbe) -> tuple[Any, Any, Any]:
+           after_step: Callable[..., None]) -> tuple[Any, Any, Any]:
     """(forward_fn, backward_fn, step_fn) for the system under test; `after_step` is called right
     after each step of the torch optimizer (inside an engine's step: before its parameter all-gather
     and zero_grad), where parameters, gradients and optimizer state all live."""
@@ -283,8 +284,11 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
     if rank == 0:
         table = torch.stack(gathered)
         largest = table.max(dim=0).values.tolist()  # the slowest / largest rank, per figure
-        results.put(RunResult(spec.label, *largest[0:3], largest[3] / 2**20, float(table[:, 4].mean()),
-                              tuple(largest[5:8]), largest[8], tuple(largest[9:12]), *largest[12:14]))
+        results.put(RunResult(spec.label, step_s=largest[0], cpu_s=largest[1], peak_rss_mib=largest[2],
+                              comm_mib_per_step=largest[3] / 2**20, final_loss=float(table[:, 4].mean()),
+                              phases_s=(largest[5], largest[6], largest[7]), step_min_s=largest[8],
+                              phase_peak_mib=(largest[9], largest[10], largest[11]),
+                              state_mib=largest[12], state_allocated_mib=largest[13]))
         results.close()
         results.join_thread()  # flush the queue's feeder thread before os._exit
     dist.barrier()
