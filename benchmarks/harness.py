@@ -2,8 +2,10 @@
 
 Each (system, stage) runs in fresh processes (so peak RSS is its own), 2 ranks x 1 thread over
 gloo, file rendezvous. Rounds alternate the systems so machine noise hits all of them alike.
-Measured per run: median step wall time and process CPU time (slowest rank), peak RSS per rank,
-payload bytes communicated per step per rank, and the final loss.
+Measured per run (slowest / largest rank): median and minimum step wall time, median process CPU
+time, median forward / backward / optimizer-step time, peak RSS over the run and within each phase
+(benchmarks/memory.py), the live tensor state after the optimizer step, payload bytes communicated
+per step per rank, and the final loss.
 
 Bytes: zerospeed through its comms logger; DDP through a comm hook that counts each bucket;
 FSDP2 and DeepSpeed by counting the torch.distributed tensor collectives they call.
@@ -13,16 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from memory import PeakRss, StateProbe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -31,7 +35,11 @@ MODELS = {  # GPT-2-style, byte-level, tied LM head
     "tiny": dict(n_layer=2, n_head=4, n_embd=128, block_size=128),
     "small": dict(n_layer=9, n_head=8, n_embd=256, block_size=256),
     "medium": dict(n_layer=8, n_head=8, n_embd=704, block_size=256),
+    # issue 21's shapes: few wide layers, where per-layer buffers (not layer count) set the costs
+    "wide4": dict(n_layer=4, n_head=6, n_embd=384, block_size=128),     # 7.25M params
+    "wide10": dict(n_layer=10, n_head=10, n_embd=640, block_size=256),  # 49.6M params
 }
+MICRO_BATCH = {"wide4": 8}  # per model; 4 otherwise
 
 
 @dataclasses.dataclass
@@ -63,14 +71,22 @@ class RunResult:
     comm_mib_per_step: float
     final_loss: float
     phases_s: tuple[float, float, float] = (0.0, 0.0, 0.0)  # median forward, backward, step (slowest rank)
+    step_min_s: float = 0.0
+    phase_peak_mib: tuple[float, float, float] = (0.0, 0.0, 0.0)  # peak RSS within forward, backward, step
+    state_mib: float = 0.0            # live tensors after the optimizer step, touched pages
+    state_allocated_mib: float = 0.0  # the same, whole storages
 
 
 def median_results(results: list[RunResult]) -> RunResult:
     """One run's figures, each the median over `results` (repeated runs of one spec)."""
-    scalars = (statistics.median(getattr(r, f) for r in results)
-               for f in ("step_s", "cpu_s", "peak_rss_mib", "comm_mib_per_step", "final_loss"))
-    phases = tuple(statistics.median(r.phases_s[i] for r in results) for i in range(3))
-    return RunResult(results[0].label, *scalars, phases)  # type: ignore[arg-type]
+    def median(name: str) -> Any:
+        values = [getattr(r, name) for r in results]
+        if isinstance(values[0], tuple):
+            return tuple(statistics.median(v[i] for v in values) for i in range(len(values[0])))
+        return statistics.median(values)
+
+    return RunResult(results[0].label, **{f.name: median(f.name) for f in dataclasses.fields(RunResult)
+                                          if f.name != "label"})
 
 
 # --- byte counting for peers ---------------------------------------------------------------------
@@ -150,12 +166,16 @@ def _ds_config(spec: RunSpec) -> dict[str, Any]:
     return config
 
 
-def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter) -> tuple[Any, Any, Any]:
-    """(forward_fn, backward_fn, step_fn) for the system under test."""
+def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter,
+           after_step: Callable[..., None]) -> tuple[Any, Any, Any]:
+    """(forward_fn, backward_fn, step_fn) for the system under test; `after_step` is called right
+    after each step of the torch optimizer (inside an engine's step: before its parameter all-gather
+    and zero_grad), where parameters, gradients and optimizer state all live."""
     if spec.system == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(None, _ddp_counting_hook(counter))
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        optimizer.register_step_post_hook(after_step)
         autocast = spec.dtype == "bf16"
 
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -171,6 +191,7 @@ def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter) -
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        optimizer.register_step_post_hook(after_step)
         counter.install()
         return model, lambda loss: loss.backward(), lambda: (optimizer.step(), optimizer.zero_grad())
     if spec.system == "zerospeed":
@@ -179,14 +200,24 @@ def _build(spec: RunSpec, model: torch.nn.Module, counter: _CollectiveCounter) -
         config = _ds_config(spec)
         config["comms_logger"] = {"enabled": True}
         engine, _, _, _ = zerospeed.initialize(model=model, config=config)
+        _torch_optimizer(engine.optimizer).register_step_post_hook(after_step)
         return engine, engine.backward, engine.step
     if spec.system == "deepspeed":
         counter.install()  # before the import: deepspeed.comm binds torch.distributed's functions
         import deepspeed
 
         engine, _, _, _ = deepspeed.initialize(model=model, config=_ds_config(spec))
+        _torch_optimizer(engine.optimizer).register_step_post_hook(after_step)
         return engine, engine.backward, engine.step
     raise ValueError(spec.system)
+
+
+def _torch_optimizer(wrapper: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside an engine's optimizer wrapper(s)."""
+    while not isinstance(wrapper, torch.optim.Optimizer) or isinstance(getattr(wrapper, "optimizer", None),
+                                                                        torch.optim.Optimizer):
+        wrapper = wrapper.optimizer
+    return wrapper
 
 
 def _comm_bytes(spec: RunSpec, counter: _CollectiveCounter) -> int:
@@ -215,20 +246,28 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
     torch.manual_seed(0)
     config = GPTConfig(**MODELS[spec.model])
     model = GPT(config)
-    counter = _CollectiveCounter()
-    forward, backward, step = _build(spec, model, counter)
-    step_times, cpu_times, phase_times, loss = [], [], [], torch.zeros(())
+    counter, state_probe = _CollectiveCounter(), StateProbe()
+    forward, backward, step = _build(spec, model, counter, state_probe)
+    rss = PeakRss()
+    init_peak_mib = rss.read_mib()
+    step_times, cpu_times, phase_times, phase_peaks, loss = [], [], [], [0.0, 0.0, 0.0], torch.zeros(())
     for index, (x, y) in enumerate(_batches(spec, rank, config.block_size)):
         measured = index >= spec.warmup
         if index == spec.warmup:
             _reset_comm(spec, counter, active=True)
+        if index == max(spec.warmup - 1, 0):
+            state_probe.arm()  # in the last warm-up step: optimizer state exists, time is not measured
+        rss.reset()
         wall0, cpu0 = time.perf_counter(), time.process_time()
         loss = forward(x, y)
-        wall1 = time.perf_counter()
+        wall1, peak0 = time.perf_counter(), rss.read_mib()
+        rss.reset()
         backward(loss)
-        wall2 = time.perf_counter()
+        wall2, peak1 = time.perf_counter(), rss.read_mib()
+        rss.reset()
         step()
-        wall3 = time.perf_counter()
+        wall3, peak2 = time.perf_counter(), rss.read_mib()
+        phase_peaks = [max(a, b) for a, b in zip(phase_peaks, (peak0, peak1, peak2))]
         if measured:
             step_times.append(wall3 - wall0)
             cpu_times.append(time.process_time() - cpu0)
@@ -237,17 +276,20 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
     comm_per_step = _comm_bytes(spec, counter) / measured_steps
     counter.active = False
     stats = torch.tensor([statistics.median(step_times), statistics.median(cpu_times),
-                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, comm_per_step,
-                          float(loss.float().item())] +
-                         [statistics.median(p[i] for p in phase_times) for i in range(3)], dtype=torch.float64)
+                          max(init_peak_mib, *phase_peaks), comm_per_step, float(loss.float().item())] +
+                         [statistics.median(p[i] for p in phase_times) for i in range(3)] +
+                         [min(step_times), *phase_peaks, *state_probe.mib], dtype=torch.float64)
     gathered = [torch.zeros_like(stats) for _ in range(spec.world_size)]
     dist.all_gather(gathered, stats)
     result = None
     if rank == 0:
         table = torch.stack(gathered)
-        result = RunResult(spec.label, float(table[:, 0].max()), float(table[:, 1].max()),
-                           float(table[:, 2].max()), float(table[:, 3].max()) / 2**20,
-                           float(table[:, 4].mean()), tuple(float(table[:, i].max()) for i in (5, 6, 7)))
+        largest = table.max(dim=0).values.tolist()  # the slowest / largest rank, per figure
+        result = RunResult(spec.label, step_s=largest[0], cpu_s=largest[1], peak_rss_mib=largest[2],
+                           comm_mib_per_step=largest[3] / 2**20, final_loss=float(table[:, 4].mean()),
+                           phases_s=(largest[5], largest[6], largest[7]), step_min_s=largest[8],
+                           phase_peak_mib=(largest[9], largest[10], largest[11]),
+                           state_mib=largest[12], state_allocated_mib=largest[13])
     finish_rank(results, result)
 
 

@@ -2,6 +2,7 @@
 
 from zerospeed.comm.comm import (
     ReduceOp,
+    all_gather_in_place,
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
@@ -31,6 +32,7 @@ from zerospeed.comm.comms_logger import CommsLogger, comms_logger
 __all__ = [
     "CommsLogger",
     "ReduceOp",
+    "all_gather_in_place",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",

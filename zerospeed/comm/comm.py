@@ -4,6 +4,14 @@ Every collective the runtime issues goes through a function here, so a test (or 
 `comms_logger` block) can see the op, the group size and the bytes of each call. Where a backend
 lacks a native op the function falls back to an equivalent built from ops it has; the fallback is
 chosen per backend once, by trying the native op.
+
+[Note: gloo staging] torch's gloo backend runs a reduce-scatter as an all-reduce of a clone of
+the whole input, then copies this rank's slice out, and an all-gather through a staging buffer
+as large as the whole output, then copies each rank's slice in (ProcessGroupGloo.cpp; measured:
+each adds its full size to the peak RSS, where an in-place all-reduce adds nothing). The
+in-place forms here avoid that on gloo: a reduce-scatter into this rank's own slice of the input
+is the all-reduce alone (the same algorithm on the same data: the same sums, bit for bit), and
+`all_gather_in_place` gathers in column chunks, so the staging holds one chunk.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ _DEFAULT_TIMEOUT_MIN = 10
 _all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _backends_without_reduce_scatter: set[str] = set()
+# [Note: gloo staging] elements of the all-gather staging buffer `all_gather_in_place` allows on gloo
+GLOO_ALL_GATHER_CHUNK_NUMEL = 1 << 22
 
 
 def default_timeout() -> datetime.timedelta:
@@ -181,16 +191,36 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
     return _all_gather_native(output, input, group=group, async_op=async_op)
 
 
+@logged("all_gather_into_tensor", lambda rows, *a, **k: rows)
+def all_gather_in_place(rows: torch.Tensor, group: Any = None) -> None:
+    """`rows` ([world size, n], each row contiguous): every rank's row r of its own `rows` holds
+    rank r's shard; afterwards every rank holds all rows. Synchronous. Logged as the equivalent
+    all_gather_into_tensor. On gloo in column chunks ([Note: gloo staging])."""
+    rank = dist.get_rank(group)
+    if dist.get_backend(group) != "gloo" and rows.is_contiguous():
+        _all_gather_native(rows.view(-1), rows[rank], group=group)
+        return
+    chunk = max(1, GLOO_ALL_GATHER_CHUNK_NUMEL // rows.shape[0])
+    for offset in range(0, rows.shape[1], chunk):
+        columns = rows.narrow(1, offset, min(chunk, rows.shape[1] - offset))
+        # gloo reads the input before it writes any output, so the input may be one of them
+        shard = columns[rank] if dist.get_backend(group) == "gloo" else columns[rank].clone()
+        dist.all_gather(list(columns.unbind(0)), shard, group=group)
+
+
 @logged("reduce_scatter_tensor", lambda output, input, *a, **k: input)
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False) -> Any:
     """Reduce `input` over the group and leave rank r's r-th equal slice in `output`.
 
-    Falls back to all_reduce + slice on a backend without a native reduce-scatter. Note for overlap
-    code: on gloo, the async handle's `is_completed()` stays False after `wait()` and it has no
-    future, so callers must only ever `wait()` on it.
+    `output` may be this rank's slice of `input` (in place, as NCCL defines it); the rest of
+    `input` is then left undefined. Falls back to all_reduce + slice on a backend without a native
+    reduce-scatter. Note for overlap code: on gloo, the async handle's `is_completed()` stays
+    False after `wait()` and it has no future, so callers must only ever `wait()` on it.
     """
     backend = dist.get_backend(group)
+    if backend == "gloo" and _is_own_slice(output, input, dist.get_rank(group)):
+        return dist.all_reduce(input, op=op, group=group, async_op=async_op)  # [Note: gloo staging]
     if backend not in _backends_without_reduce_scatter:
         try:
             return _reduce_scatter_native(output, input, op=op, group=group, async_op=async_op)
@@ -199,6 +229,12 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
                 raise
             _backends_without_reduce_scatter.add(backend)
     return _reduce_scatter_by_all_reduce(output, input, op, group)
+
+
+def _is_own_slice(output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
+    if output.dtype != input.dtype or not (output.is_contiguous() and input.is_contiguous()):
+        return False
+    return output.data_ptr() == input.data_ptr() + rank * output.numel() * output.element_size()
 
 
 def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any) -> None:

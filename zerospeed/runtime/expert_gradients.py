@@ -68,9 +68,12 @@ class GroupedAllReduce:
                  settings: PrecisionSettings) -> None:
         dp_world_size = comm.get_world_size(dp_group)
         self.members = list(reduction_plan(params).items())
+        # One group: launched buckets finish as they go; several: all at the end ([Note:
+        # overlapped all-reduce] in overlapped_allreduce.py).
         self.reducers = [OverlappedAllReduce([params[i] for i in indices], bucket_numel,
                                              _reduction_group(key, dp_group), settings,
-                                             average_world_size=dp_world_size)
+                                             average_world_size=dp_world_size,
+                                             bound_in_flight=len(self.members) == 1)
                          for key, indices in self.members]
         self._slot = {index: (r, local) for r, (_, indices) in enumerate(self.members)
                       for local, index in enumerate(indices)}

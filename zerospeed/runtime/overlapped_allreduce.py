@@ -8,6 +8,14 @@ buckets are launched — flattened and all-reduced asynchronously while backward
 in bucket order, each once all its members are ready. `finish()` (the backward epilogue) launches
 the rest, with zeros for parameters that got no gradient on this rank, waits, and copies back.
 
+At most `MAX_IN_FLIGHT_BUCKETS` launched buckets stay in flight: launching one more first waits
+for the oldest, copies its result into the gradients and frees its flat buffer ([Note: in-flight
+collectives] in comm/in_flight.py). Holding every bucket until `finish()` kept a second copy of
+all gradients alive at the end of backward, the step's peak (issue 21: a model's worth of RSS).
+With several reduction groups (expert parallelism) the buckets of different groups may launch in
+a different order on different ranks, and an early wait on one group could then block a rank that
+another rank waits for on the other: there every bucket waits for `finish()`, as before.
+
 Because bucket membership and launch order are fixed, every rank issues the same collectives in
 the same order even when ranks use different parameters (MoE experts, data-dependent branches):
 a bucket waiting on a parameter this rank did not use simply launches at `finish()`. Only
@@ -20,7 +28,6 @@ in the communication dtype as the reduction would, and no copy of the bucket is 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +35,14 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerospeed import comm
+from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 
 # Buckets are at most this many elements even when `reduce_bucket_size` is larger (DeepSpeed's
 # default 5e8 would make one bucket, i.e. no overlap); DDP's buckets are 25 MiB.
 MAX_OVERLAP_BUCKET_NUMEL = 1 << 22
+# Launched buckets still in flight while backward goes on (as the stage-1/2 reducers keep).
+MAX_IN_FLIGHT_BUCKETS = 2
 
 
 def plan_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_numel: int) -> list[list[int]]:
@@ -52,16 +62,9 @@ def plan_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_numel: int
     return buckets
 
 
-@dataclasses.dataclass
-class _Launched:
-    grads: list[torch.Tensor]
-    flat: torch.Tensor
-    handle: Any
-
-
 class OverlappedAllReduce:
     def __init__(self, params: list[torch.Tensor], bucket_numel: int, group: Any, settings: PrecisionSettings,
-                 average_world_size: int | None = None) -> None:
+                 average_world_size: int | None = None, bound_in_flight: bool = True) -> None:
         bucket_numel = max(1, min(int(bucket_numel), MAX_OVERLAP_BUCKET_NUMEL))
         dtypes = [settings.grad_accum_dtype] * len(params)
         self.buckets = plan_buckets([p.numel() for p in params], dtypes, bucket_numel)
@@ -72,13 +75,13 @@ class OverlappedAllReduce:
         # Expert gradients are summed over a smaller group but averaged over the data-parallel world
         # ([Note: expert gradient reduction] in expert_gradients.py).
         self.before, self.after = averaging_factors(settings, average_world_size or comm.get_world_size(group))
+        self._in_flight = InFlightQueue(MAX_IN_FLIGHT_BUCKETS if bound_in_flight else len(self.buckets))
         self._reset()
 
     def _reset(self) -> None:
         self._missing = [len(bucket) for bucket in self.buckets]
         self._ready = [False] * len(self.bucket_of)
         self._next_bucket = 0
-        self._launched: list[_Launched] = []
 
     def mark_ready(self, index: int, grad_of: Callable[[int], torch.Tensor]) -> None:
         """A parameter's gradient is final for this window; launch every bucket now complete."""
@@ -101,7 +104,7 @@ class OverlappedAllReduce:
         if self.before != 1.0:
             flat.mul_(self.before)
         handle = comm.all_reduce(flat, group=self.group, async_op=True)
-        self._launched.append(_Launched(grads, flat, handle))
+        self._in_flight.submit(handle, lambda: self._copy_back(flat, grads))
 
     def _average_alone(self, grad: torch.Tensor) -> None:
         """The averaging of a one-rank reduction, in place: the same roundings as flatten, scale, copy back."""
@@ -114,14 +117,15 @@ class OverlappedAllReduce:
         if scaled is not grad:
             grad.copy_(scaled)
 
+    def _copy_back(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        if self.after != 1.0:
+            flat.mul_(self.after)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
     def finish(self, grad_of: Callable[[int], torch.Tensor]) -> None:
         """Launch the buckets not yet launched (zeros where no gradient came), wait, copy back."""
         for bucket_index in range(self._next_bucket, len(self.buckets)):
             self._launch(bucket_index, grad_of)
-        for launched in self._launched:
-            launched.handle.wait()
-            if self.after != 1.0:
-                launched.flat.mul_(self.after)
-            for grad, reduced in zip(launched.grads, _unflatten_dense_tensors(launched.flat, launched.grads)):
-                grad.copy_(reduced)
+        self._in_flight.drain()
         self._reset()

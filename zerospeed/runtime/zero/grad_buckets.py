@@ -58,10 +58,16 @@ from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
-__all__ = ["GradReducer", "GradientBuckets", "MAX_OUTSTANDING", "OwnedSlice", "reduce_flat_gradients"]
+__all__ = ["GradReducer", "GradientBuckets", "MAX_BUCKET_NUMEL", "MAX_OUTSTANDING", "OwnedSlice",
+           "reduce_flat_gradients"]
 
 # Reductions still in flight while the next bucket fills (stages 1/2; stage 3 keeps one).
 MAX_OUTSTANDING = 2
+# [Note: bucket cap] A stage-2 bucket holds at most this many elements whatever
+# `reduce_bucket_size` says (stage 0 caps its buckets alike, overlapped_allreduce.py). A bucket
+# and its receive buffer live together, and with DeepSpeed's default of 5e8 one bucket would be
+# the whole model: two extra copies of every gradient at the end of backward (issue 21).
+MAX_BUCKET_NUMEL = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,22 +96,35 @@ class GradReducer:
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
 
     def reduce(self, rows: torch.Tensor, dest: torch.Tensor) -> None:
-        """Sum `rows` ([W * n], one row per rank) over ranks; this rank's row into `dest` ([n])."""
+        """Sum `rows` ([W * n], one row per rank) over ranks; this rank's row into `dest` ([n]).
+        `dest` may be this rank's row of `rows` ([Note: slabs in place])."""
         self._scale(rows, self.before)
         row_numel = rows.numel() // self.world_size
         if self.world_size == 1:   # [Note: a group of one]
             self._store(dest, self._scale(rows, self.after), accumulate=False)
             return
+        own_row = rows.narrow(0, self.dp_rank * row_numel, row_numel)
         if self.use_reduce_scatter:
-            output = torch.empty(row_numel, dtype=rows.dtype, device=rows.device)
+            output = dest if self._receives_in_place(dest, rows, own_row) else \
+                torch.empty(row_numel, dtype=rows.dtype, device=rows.device)
             handle = comm.reduce_scatter_tensor(output, rows, group=self.group, async_op=self.overlap_comm)
         else:
             handle = comm.all_reduce(rows, group=self.group, async_op=self.overlap_comm)
-            output = rows.narrow(0, self.dp_rank * row_numel, row_numel)
+            output = own_row
 
         def finish() -> None:
-            self._store(dest, self._scale(output, self.after), accumulate=False)
+            reduced = self._scale(output, self.after)
+            if reduced.data_ptr() != dest.data_ptr():
+                self._store(dest, reduced, accumulate=False)
         self._in_flight.submit(handle, finish, keepalive=(rows, output))
+
+    def _receives_in_place(self, dest: torch.Tensor, rows: torch.Tensor, own_row: torch.Tensor) -> bool:
+        """Whether the reduce-scatter may write straight into `dest`: a plain tensor of the rows' dtype,
+        either apart from them or exactly this rank's row (the in-place form NCCL documents)."""
+        if self.sink is not None or dest.dtype != rows.dtype or not dest.is_contiguous():
+            return False
+        apart = dest.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+        return apart or dest.data_ptr() == own_row.data_ptr()
 
     def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice], accumulate: bool = True) -> None:
         """Sum `flat` over ranks; add (or copy) each slice this rank owns into its `dest`. With
@@ -179,7 +198,13 @@ def reduce_flat_gradients(flat_grad: torch.Tensor, layout: GroupLayout, slabs: l
                           partition: torch.Tensor | None = None) -> None:
     """Stage 1 at the boundary: reduce a full flat gradient buffer; this rank's partition of it
     (or `partition`, a separate buffer of partition size) then holds the reduced (averaged)
-    gradients. Other partitions keep stale values."""
+    gradients. Other partitions are left scaled or stale: the step reads only this rank's.
+
+    [Note: slabs in place] A slab as wide as the partitions (the default `reduce_bucket_size`
+    makes one) is a contiguous run of the buffer already laid out as the reduce-scatter's input,
+    and this rank's partition is that input's own row: reduced where it lies, it needs neither a
+    copy of the rows nor a receive buffer, up to 1.5x the model's gradients at the peak. Narrower
+    slabs, or a communication dtype other than the buffer's, reduce a copy of the rows."""
     rows_view = flat_grad.view(layout.world_size, layout.partition_numel)
     if partition is None:
         partition = rows_view[reducer.dp_rank]
@@ -187,8 +212,10 @@ def reduce_flat_gradients(flat_grad: torch.Tensor, layout: GroupLayout, slabs: l
         if slab_real_numel(layout, slab) == 0:
             continue  # pure padding: zeros on every rank
         window = rows_view.narrow(1, slab.offset, slab.numel)
-        rows = torch.empty(window.shape, dtype=comm_dtype, device=flat_grad.device)
-        rows.copy_(window)
+        rows = window
+        if not window.is_contiguous() or window.dtype != comm_dtype:
+            rows = torch.empty(window.shape, dtype=comm_dtype, device=flat_grad.device)
+            rows.copy_(window)
         reducer.reduce(rows.view(-1), partition.narrow(0, slab.offset, slab.numel))
     reducer.wait_all()
 
@@ -205,7 +232,7 @@ class GradientBuckets:
         self.partitions = partitions      # this rank's gradient partition per group (accumulated)
         self.reducer = reducer
         self.comm_dtype = comm_dtype
-        self.bucket_numel = min(bucket_numel, max(1, sum(layout.numel for layout in layouts)))
+        self.bucket_numel = min(bucket_numel, MAX_BUCKET_NUMEL, max(1, sum(layout.numel for layout in layouts)))
         self.contiguous_gradients = contiguous_gradients
         self.accumulate = accumulate      # False: the reduced slices replace the partition (stage 1)
         self._arrived: set[tuple[int, int]] = set()

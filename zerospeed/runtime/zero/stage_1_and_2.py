@@ -356,17 +356,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if world_size == 1:   # the partition is the whole buffer ([Note: a group of one] in grad_buckets.py)
             return
         rows = group.lp_flat.view(world_size, part_numel)
+        # In place: this rank's row is its shard, no copy of it and no gather buffer beside the flat
+        # one ([Note: gloo staging] in comm/comm.py: on gloo the staging holds one chunk).
         for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
-            # No copy of the shard: a whole-partition gather is in place (its input is this rank's
-            # row of the output), which NCCL documents and torch's gloo backend does through its
-            # own staging buffer; a chunked one gathers into a separate buffer.
-            shard = rows[group.dp_rank].narrow(0, offset, numel)
-            if numel == part_numel:
-                comm.all_gather_into_tensor(group.lp_flat, shard, group=group.process_group)
-                continue
-            gathered = torch.empty(world_size, numel, dtype=shard.dtype, device=shard.device)
-            comm.all_gather_into_tensor(gathered.view(-1), shard, group=group.process_group)
-            rows.narrow(1, offset, numel).copy_(gathered)
+            comm.all_gather_in_place(rows.narrow(1, offset, numel), group=group.process_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
