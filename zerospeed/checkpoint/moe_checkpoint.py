@@ -167,21 +167,28 @@ def check_stage_crossing(ctx: CheckpointContext, saved_stage: int, tag_dir: str,
                          "it loads at stages 0-2 only")
 
 
-def check_optimizer_topology(ctx: CheckpointContext, tag_dir: str, model_state: dict[str, Any]) -> None:
-    """At stages 0-2 optimizer states of an MoE checkpoint load only at the expert-parallel sizes (and,
-    where the state is partitioned over data-parallel ranks, the data-parallel size) they were saved
-    with; expert weights load at any. Stage 3 reshards ([Note: MoE stage-3 reshard])."""
+def check_optimizer_topology(ctx: CheckpointContext, saved_stage: int, tag_dir: str,
+                             model_state: dict[str, Any]) -> bool:
+    """Whether the optimizer state of an MoE checkpoint saved at stages 0-2 must be resharded through the
+    full state ([Note: MoE stage-1/2 reshard]); raises where it cannot be. Expert weights load at any
+    size. Stage 3 reshards on its own ([Note: MoE stage-3 reshard])."""
     if ctx.optimizer.weights_in_optimizer_files:
-        return
+        return False
     saved_sizes = model_state.get(EP_SIZES_KEY)
     sizes = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(ctx.module)}
     saved_world = model_state.get("dp_world_size", ctx.dp_world_size)
     partitioned = ctx.optimizer.checkpoint_files(ctx.dp_rank, ctx.mp_rank).optim_states is not None
-    if (saved_sizes is not None and saved_sizes != sizes) or (partitioned and saved_world != ctx.dp_world_size):
-        advice = ("expert weights reshard, optimizer states of MoE models at stages 0-2 do not; load with "
-                  "load_optimizer_states=False (or load_module_only=True)")
-        raise ValueError(f"checkpoint {tag_dir} was saved with expert-parallel sizes {saved_sizes} on {saved_world} "
-                         f"data-parallel ranks, this run has {sizes} on {ctx.dp_world_size}: {advice}")
+    if not ((saved_sizes is not None and saved_sizes != sizes) or (partitioned and saved_world != ctx.dp_world_size)):
+        return False
+    # ours, saved and loaded at 1/2, one ep size: every rank's optim file names its experts' fragments
+    single_size = len(set((saved_sizes or {}).values())) == 1
+    if partitioned and saved_stage in (1, 2) and single_size and model_state.get(EXPERT_DATA_RANKS_KEY):
+        return True
+    advice = ("expert weights reshard; optimizer states of MoE models reshard at stages 1-2 only from a "
+              "zerospeed stage-1/2 checkpoint with one expert-parallel size; load with "
+              "load_optimizer_states=False (or load_module_only=True)")
+    raise ValueError(f"checkpoint {tag_dir} was saved at stage {saved_stage} with expert-parallel sizes {saved_sizes} "
+                     f"on {saved_world} data-parallel ranks, this run has {sizes} on {ctx.dp_world_size}: {advice}")
 
 
 def loads_moe_optimizer_files(ctx: CheckpointContext) -> bool:

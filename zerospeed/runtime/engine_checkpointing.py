@@ -26,7 +26,8 @@ from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero
 from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, find_model_files, model_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, load_optimizer_state, stage0_optimizer_entry
+from zerospeed.checkpoint.zero_checkpoint import (SavedLayout, discover, export_full_state, load_optimizer_state,
+                                                  stage0_optimizer_entry)
 from zerospeed.runtime.optimizer_checkpointing import NoOptimizer
 from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
 from zerospeed.runtime.tensor_parallel.optimizer_reshard import tp_resharded_optimizer_state
@@ -151,7 +152,11 @@ class EngineCheckpointing:
                         load_optimizer_states: bool) -> None:
         # a stage-3 checkpoint loads through the full state at any stage ([Note: MoE stage crossing])
         if ctx.has_moe_layers and load_optimizer_states and saved.zero_stage != 3:
-            moe_checkpoint.check_optimizer_topology(ctx, tag_dir=saved.tag_dir, model_state=model_state)
+            if moe_checkpoint.check_optimizer_topology(ctx, saved.zero_stage, saved.tag_dir, model_state):
+                # another world or ep size at stages 1/2: through the full state ([Note: MoE stage-1/2 reshard])
+                full = export_full_state(saved, model_state)
+                ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
+                return
             if moe_checkpoint.loads_moe_optimizer_files(ctx):
                 moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, load_file)
                 return
