@@ -77,7 +77,7 @@ def _check(saving: list[dict], loads: list[list[dict]], what: str) -> None:
         assert losses.keys() == continued.keys()
         keys = sorted(continued)
         torch.testing.assert_close(torch.tensor([losses[k] for k in keys]), torch.tensor([continued[k] for k in keys]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"{what}, load {i}: {m}")
+                                   rtol=1e-5, atol=0, msg=lambda m, i=i: f"{what}, load {i}: {m}")
 
 
 def test_stage2_checkpoint_of_4_ranks_ep2_loads_on_2_ranks_and_at_ep4(tmp_path: object) -> None:

@@ -10,8 +10,9 @@ entries of the module state dict under their full names, with the local expert i
 the global one (`...deepspeed_experts.<e>.weight`), and is written by the ranks whose
 expert-data-parallel rank is 0. The model-states file holds every other entry (gate included) and
 `num_experts`. Because experts are named by global id, a checkpoint loads at any expert-parallel
-size: each rank reads the files of the experts it now holds (`expert_states_for_rank`). The
-optimizer files are per expert-parallel rank, so optimizer state needs the saved ep size. At ZeRO 3
+size: each rank reads the files of the experts it now holds (`expert_states_for_rank`). The stage-0
+optimizer files are per expert-parallel rank, so that optimizer state needs the saved ep size; stage-1/2
+optim files reshard ([Note: MoE stage-1/2 reshard] in moe_reshard.py). At ZeRO 3
 the expert files are written from weights each expert-data-parallel group gathers first, and the
 weights load from the ZeRO partitions, resharded by global expert id ([Note: MoE stage-3 reshard]).
 """

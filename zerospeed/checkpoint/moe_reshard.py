@@ -1,4 +1,4 @@
-"""Stage-3 Mixture-of-Experts checkpoints at another world or expert-parallel size.
+"""Mixture-of-Experts checkpoints at another world or expert-parallel size (stage 3, and stages 1/2).
 
 [Note: MoE stage-3 reshard]
 In a stage-3 checkpoint every rank's optim file holds its chunk of each parameter's fp32 master and
@@ -21,6 +21,17 @@ ep rank, so either export gives the full state under global names, and every imp
 the rank of its own param group's partition group. The expert files (whole weights by global id,
 at every stage) load as before. Not crossed: stage-0 files (per ep rank, unnamed torch optimizer
 state) into stage 3, and checkpoints without our rank layout (DeepSpeed's) into stage 3.
+
+[Note: MoE stage-1/2 reshard]
+The same path reshards a stage-1/2 MoE checkpoint loaded at stages 1/2 on another data-parallel world
+size or expert-parallel size: `check_optimizer_topology` (moe_checkpoint.py) sees the layout differ,
+every rank reads every saved rank's optim file into the full state (`export_zero12`, experts renamed
+by the saving rank's ep rank from `zs_moe_expert_data_ranks`) and `import_zero12` cuts dense
+parameters over the new data-parallel group and each expert over its new expert-data-parallel group.
+An ep-size change at the same world size needs this too: the own-file load would hand each rank
+partitions of other experts. Refused still (a `ValueError`): several ep sizes in one model, checkpoints
+without our rank layout (DeepSpeed's), and stage 0 at another ep size (per-ep-rank `expp_rank` files).
+DeepSpeed needs its universal checkpoint for such a change.
 """
 
 from __future__ import annotations
