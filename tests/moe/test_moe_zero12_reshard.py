@@ -92,3 +92,28 @@ def test_stage1_checkpoint_of_2_ranks_loads_on_4_ranks(tmp_path: object) -> None
     """Saved at stage 1 on 2 ranks with ep 2 (gradient accumulation 2); loaded on 4 ranks at ep 2 and ep 4."""
     saving = run_on_ranks(_save_then_load, 2, str(tmp_path), 2, 1, [])
     _check(saving, run_on_ranks(_load, 4, str(tmp_path), [(2, 1), (4, 2)]), "2 ranks ep 2 -> 4 ranks")
+
+
+def _mixed_ep_at_other_sizes(save_dir: str) -> str:
+    """A stage-2 checkpoint of layers at ep 2 and ep 4, loaded with both at ep 4: refused, naming the way out."""
+    from test_moe_mixed_ep import MixedEpModel
+
+    def engine(ep_sizes: tuple[int, int]) -> object:
+        model = MixedEpModel(ep_sizes)
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+        return zerospeed.initialize(model=model, config=config)[0]
+
+    engine((2, 4)).save_checkpoint(save_dir, tag="t")
+    other = engine((4, 4))
+    try:
+        other.load_checkpoint(save_dir, tag="t")
+    except ValueError as error:
+        other.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)   # the weights still load
+        return str(error)
+    return ""
+
+
+def test_several_expert_parallel_sizes_at_other_sizes_is_a_clear_error(tmp_path: object) -> None:
+    for message in run_on_ranks(_mixed_ep_at_other_sizes, 4, str(tmp_path)):
+        assert "load_optimizer_states=False" in message and "one expert-parallel size" in message, message
