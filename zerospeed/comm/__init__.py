@@ -2,6 +2,7 @@
 
 from zerospeed.comm.comm import (
     ReduceOp,
+    all_gather_in_place,
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
@@ -21,8 +22,10 @@ from zerospeed.comm.comm import (
     isend,
     log_summary,
     new_group,
+    prefers_in_place,
     recv,
     reduce_scatter_fn,
+    reduce_scatter_rows_,
     reduce_scatter_tensor,
     send,
 )
@@ -31,6 +34,7 @@ from zerospeed.comm.comms_logger import CommsLogger, comms_logger
 __all__ = [
     "CommsLogger",
     "ReduceOp",
+    "all_gather_in_place",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",
@@ -51,8 +55,10 @@ __all__ = [
     "isend",
     "log_summary",
     "new_group",
+    "prefers_in_place",
     "recv",
     "reduce_scatter_fn",
+    "reduce_scatter_rows_",
     "reduce_scatter_tensor",
     "send",
 ]
