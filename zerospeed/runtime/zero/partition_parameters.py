@@ -7,8 +7,8 @@ Invariants
   a coalesced gather (params sorted by `ds_id`) is the same collective on every rank.
 - A gather is one `all_gather_into_tensor` per dtype: rank r contributes the concatenation of its
   partitions; the full parameter i is rebuilt from chunk i of every rank's slice, cut at numel.
-  With gloo it is one in-place all-gather per parameter into the parameter's own buffer
-  (`_gather_in_place`): the same bits, without gloo's per-call temporaries or the copy out.
+  With gloo it is one in-place all-gather per buffer of up to 1 MiB of parameters, or per larger
+  parameter (`_gather_in_place`): the same bits, without gloo's per-call temporaries or the copy out.
 - A release only drops `param.data`; the partition (`ds_tensor`) is the truth. After the module
   or user changed the full data, `has_been_updated=True` copies this rank's slice back first.
 """
@@ -42,6 +42,8 @@ __all__ = ["GatherHandle", "GatheredParameters", "Init", "convert_to_zero_param"
            "register_external_parameter", "release_params", "unregister_external_parameter"]
 
 _ds_ids = itertools.count()  # unique across every model this process builds, same order on every rank
+# gloo gathers: smaller parameters share buffers of up to this size (`_gather_in_place`)
+IN_PLACE_PACK_BYTES = 1 << 20
 
 
 def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -127,7 +129,7 @@ def _gather_same_dtype(params: list[ZeroParameter], async_op: bool) -> list[Gath
         set_status(param, ZeroParamStatus.INFLIGHT)
     # Partitions may live in host memory (offload_param); the gather runs on the compute device.
     if comm.prefers_in_place(params[0].zs_state.group):
-        return [_gather_in_place(param, compute_device(), async_op) for param in params]
+        return _gather_in_place(params, compute_device(), async_op)
     return [_gather_rank_major(params, compute_device(), async_op)]
 
 
@@ -150,20 +152,43 @@ def _gather_rank_major(params: list[ZeroParameter], device: torch.device, async_
     return GatherHandle(params, [work if async_op else None], unpack)
 
 
-def _gather_in_place(param: ZeroParameter, device: torch.device, async_op: bool) -> GatherHandle:
-    """gloo ([Note: gloo temporaries] in comm/comm.py): the parameter gets its own padded buffer,
-    this rank's partition written at its place and zeros elsewhere, completed by one in-place
-    all-gather; the buffer then *is* the full parameter: no concatenation, no copy out, no
-    temporary. One handle per parameter, so a fetch waits only for what its module needs."""
-    state = param.zs_state
-    size = state.partition_numel
-    buffer = torch.empty(state.padded_numel, dtype=state.partition.dtype, device=device)
-    start = state.dp_rank * size
-    buffer[:start].zero_()
-    buffer[start + size:].zero_()
-    _read_partition(state, buffer.narrow(0, start, size))
-    work = comm.all_gather_in_place(buffer, group=state.group, async_op=async_op)
-    return GatherHandle([param], [work], lambda: [buffer[:state.numel]])
+def _gather_in_place(params: list[ZeroParameter], device: torch.device, async_op: bool) -> list[GatherHandle]:
+    """gloo ([Note: gloo temporaries] in comm/comm.py): parameters packed in order into buffers of at
+    most `IN_PLACE_PACK_BYTES` (a larger parameter alone in its own), one handle each, so a fetch
+    waits only for the buffers its module needs, a released parameter keeps at most a small buffer
+    alive, and many small parameters (the persistent ones) still travel in few collectives."""
+    handles, run, run_bytes = [], [], 0
+    for param in params:
+        nbytes = param.zs_state.padded_numel * param.zs_state.partition.element_size()
+        if run and run_bytes + nbytes > IN_PLACE_PACK_BYTES:
+            handles.append(_gather_packed(run, device, async_op))
+            run, run_bytes = [], 0
+        run.append(param)
+        run_bytes += nbytes
+    return handles + ([_gather_packed(run, device, async_op)] if run else [])
+
+
+def _gather_packed(params: list[ZeroParameter], device: torch.device, async_op: bool) -> GatherHandle:
+    """One buffer, each parameter's padded slot end to end, this rank's partition written at its
+    place in each slot and zeros elsewhere, completed by one in-place all-gather: each slot then *is*
+    the full parameter (a view), with no concatenation, no copy out and no temporary."""
+    buffer = torch.empty(sum(p.zs_state.padded_numel for p in params), dtype=params[0].zs_state.partition.dtype,
+                         device=device)
+    if len(params) > 1:
+        buffer.zero_()
+    slots, offset = [], 0
+    for param in params:
+        state = param.zs_state
+        size = state.partition_numel
+        start = offset + state.dp_rank * size
+        if len(params) == 1:   # a large parameter: zero only the other ranks' chunks
+            buffer[:start].zero_()
+            buffer[start + size:].zero_()
+        _read_partition(state, buffer.narrow(0, start, size))
+        slots.append(buffer.narrow(0, offset, state.numel))
+        offset += state.padded_numel
+    work = comm.all_gather_in_place(buffer, group=params[0].zs_state.group, async_op=async_op)
+    return GatherHandle(params, [work], lambda: slots)
 
 
 def _read_partition(state: ZeroParamState, out: torch.Tensor) -> None:
