@@ -111,10 +111,14 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results: Any) -
         if index == spec.warmup and profiler is not None:
             profiler.enable()
         marks, peaks = [_counters(timer)], []
-        for phase in (lambda: forward(x, y), lambda: backward(loss), step):
+        for phase in ("forward", "backward", "step"):
             _reset_hwm()
-            out = phase()
-            loss = out if torch.is_tensor(out) and out.dim() == 0 else loss
+            if phase == "forward":
+                loss = forward(x, y)
+            elif phase == "backward":
+                backward(loss)
+            else:
+                step()
             peaks.append(_hwm_mib())
             marks.append(_counters(timer))
         if index >= spec.warmup:

@@ -157,7 +157,9 @@ def _gather_in_place(params: list[ZeroParameter], device: torch.device, async_op
     most `IN_PLACE_PACK_BYTES` (a larger parameter alone in its own), one handle each, so a fetch
     waits only for the buffers its module needs, a released parameter keeps at most a small buffer
     alive, and many small parameters (the persistent ones) still travel in few collectives."""
-    handles, run, run_bytes = [], [], 0
+    handles: list[GatherHandle] = []
+    run: list[ZeroParameter] = []
+    run_bytes = 0
     for param in params:
         nbytes = param.zs_state.padded_numel * param.zs_state.partition.element_size()
         if run and run_bytes + nbytes > IN_PLACE_PACK_BYTES:
