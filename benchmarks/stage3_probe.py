@@ -198,6 +198,20 @@ def _summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _result(results: Any, procs: list[Any]) -> dict[str, Any]:
+    """The next rank's summary; raises when a rank died without one (instead of waiting forever)."""
+    import queue
+
+    while True:
+        try:
+            return results.get(timeout=2.0)
+        except queue.Empty:
+            if any(not p.is_alive() and p.exitcode != 0 for p in procs):
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"a rank exited without a result: {[p.exitcode for p in procs]}") from None
+
+
 def run_once(args: argparse.Namespace) -> dict[str, Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -206,7 +220,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
                  for r in range(2)]
         for proc in procs:
             proc.start()
-        per_rank = sorted((results.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
+        per_rank = sorted((_result(results, procs) for _ in procs), key=lambda r: r["rank"])
         for proc in procs:
             proc.join(timeout=60)
     return _summarize(per_rank)
