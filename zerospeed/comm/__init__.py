@@ -3,6 +3,7 @@
 from zerospeed.comm.comm import (
     ReduceOp,
     all_gather_in_place,
+    all_gather_rows_in_place,
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
@@ -22,8 +23,10 @@ from zerospeed.comm.comm import (
     isend,
     log_summary,
     new_group,
+    prefers_in_place,
     recv,
     reduce_scatter_fn,
+    reduce_scatter_rows_,
     reduce_scatter_tensor,
     send,
 )
@@ -33,6 +36,7 @@ __all__ = [
     "CommsLogger",
     "ReduceOp",
     "all_gather_in_place",
+    "all_gather_rows_in_place",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",
@@ -53,8 +57,10 @@ __all__ = [
     "isend",
     "log_summary",
     "new_group",
+    "prefers_in_place",
     "recv",
     "reduce_scatter_fn",
+    "reduce_scatter_rows_",
     "reduce_scatter_tensor",
     "send",
 ]

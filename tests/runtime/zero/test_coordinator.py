@@ -76,13 +76,18 @@ def test_changing_forward_order_invalidates_the_trace_and_still_equals_stage0():
             assert_close_relative(params3[name], expected, 1e-6, name)
 
 
+def _gather_op():
+    """The parameter gather's collective: gloo's is an in-place all-gather ([Note: gloo temporaries])."""
+    return "all_gather_in_place" if zerospeed.comm.prefers_in_place() else "all_gather_into_tensor"
+
+
 def _live_bound(max_live, prefetch):
     zero = {"max_live_parameters": max_live, "prefetch_bucket_size": prefetch, "max_reuse_distance": 3000,
             "param_persistence_threshold": 0, "reduce_bucket_size": 5000}
     zerospeed.comm.comms_logger.reset()
     config = _config(3, 1, 2, 0.0, zero, comms_logger={"enabled": True})
     engine, losses3 = train(build_model("gpt"), config, 2, 1, _batches(4))
-    prefetches = sum(r.async_op for r in zerospeed.comm.comms_logger.records if r.op == "all_gather_into_tensor")
+    prefetches = sum(r.async_op for r in zerospeed.comm.comms_logger.records if r.op == _gather_op())
     zerospeed.comm.configure(enabled=False)
     _, losses0 = train(build_model("gpt"), _config(0, 1, 2, 0.0), 2, 1, _batches(4))
     coordinator = engine.optimizer.parameter_offload.coordinator
@@ -114,18 +119,25 @@ def _comm_volume_per_step():
         engine.step()
         per_step.append(zerospeed.comm.comms_logger.bytes_by_op())
     zerospeed.comm.configure(enabled=False)
-    return padded_bytes, per_step
+    return padded_bytes, per_step, zerospeed.comm.prefers_in_place()
 
 
 def test_comm_volume_is_two_gathers_and_one_reduce_scatter_per_step():
-    for padded_bytes, per_step in run_on_ranks(_comm_volume_per_step, 2):
+    for padded_bytes, per_step, in_place in run_on_ranks(_comm_volume_per_step, 2):
         for volume in per_step:  # step 1 records the trace, steps 2-3 prefetch from it
+            norm_bytes = 8  # the squared gradient norm (float64)
+            order_check_bytes = 2 * 2 * 8   # (count, hash) of each rank, int64 ([Note: gather-order check])
+            assert volume["zero3.module_order_check"] == order_check_bytes
+            if in_place:  # gloo: the reduce-scatter is an all-reduce of the rows ([Note: gloo temporaries])
+                assert set(volume) == {"all_gather_in_place", "all_reduce", "zero3.module_order_check"}
+                assert volume["all_gather_in_place"] == 2 * padded_bytes
+                assert padded_bytes <= volume["all_reduce"] <= padded_bytes + norm_bytes
+                continue
             assert set(volume) == {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
                                    "zero3.module_order_check"}
             assert volume["all_gather_into_tensor"] == 2 * padded_bytes
-            assert volume["zero3.module_order_check"] == 2 * 2 * 8   # (count, hash) of each rank, int64
             assert volume["reduce_scatter_tensor"] == padded_bytes
-            assert volume["all_reduce"] <= 8  # the squared gradient norm (float64)
+            assert volume["all_reduce"] <= norm_bytes
 
 
 def _breakdown(threshold):

@@ -124,6 +124,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._fwd_stack: list[torch.nn.Module] = []
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
+        self._params_cache: dict[int, tuple[tuple[Any, ...], tuple[ZeroParameter, ...]]] = {}
         # DeepSpeed's leaf_module config, and the MoE blocks zerospeed finds ([Note: ZeRO-3 leaf modules])
         apply_zero_leaf_module_config(module, zero_config.leaf_module)
         self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
@@ -183,9 +184,19 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
 
     def _params_of(self, module: torch.nn.Module) -> tuple[ZeroParameter, ...]:
-        own = module.parameters(recurse=z3_leaf_module(module))
-        unique = {id(p): p for p in list(own) + external_parameters(module) if is_zero_param(p)}
-        return tuple(unique.values())
+        """What the module's hooks fetch and release: its own parameters (a z3 leaf's, its whole
+        subtree's) and its external ones. Four hooks per module per step ask, and collecting them
+        through `module.parameters()` was the hooks' largest Python cost, so a module's answer is
+        kept while its own and external parameters are the same objects."""
+        external = external_parameters(module)
+        if z3_leaf_module(module):   # a subtree: not cached
+            return _unique_zero_params(list(module.parameters()) + external)
+        key = (*module._parameters.values(), None, *external)
+        cached = self._params_cache.get(id(module))
+        if cached is None or not _same_objects(cached[0], key):
+            cached = (key, _unique_zero_params(list(module.parameters(recurse=False)) + external))
+            self._params_cache[id(module)] = cached
+        return cached[1]
 
     # --- hooks --------------------------------------------------------------------------------
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -261,6 +272,14 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _unique_zero_params(params: list[Any]) -> tuple[ZeroParameter, ...]:
+    return tuple({id(p): p for p in params if is_zero_param(p)}.values())
+
+
+def _same_objects(first: tuple[Any, ...], second: tuple[Any, ...]) -> bool:
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second))
 
 
 class _PostBackwardWrapper:

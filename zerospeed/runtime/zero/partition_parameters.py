@@ -7,6 +7,8 @@ Invariants
   a coalesced gather (params sorted by `ds_id`) is the same collective on every rank.
 - A gather is one `all_gather_into_tensor` per dtype: rank r contributes the concatenation of its
   partitions; the full parameter i is rebuilt from chunk i of every rank's slice, cut at numel.
+  With gloo it is one in-place all-gather per buffer of up to 1 MiB of parameters, or per larger
+  parameter (`_gather_in_place`): the same bits, without gloo's per-call temporaries or the copy out.
 - A release only drops `param.data`; the partition (`ds_tensor`) is the truth. After the module
   or user changed the full data, `has_been_updated=True` copies this rank's slice back first.
 """
@@ -14,7 +16,7 @@ Invariants
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -40,6 +42,8 @@ __all__ = ["GatherHandle", "GatheredParameters", "Init", "convert_to_zero_param"
            "register_external_parameter", "release_params", "unregister_external_parameter"]
 
 _ds_ids = itertools.count()  # unique across every model this process builds, same order on every rank
+# gloo gathers: smaller parameters share buffers of up to this size (`_gather_in_place`)
+IN_PLACE_PACK_BYTES = 1 << 20
 
 
 def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,30 +83,27 @@ def _drop_data(param: ZeroParameter) -> None:
 # --- gather / release --------------------------------------------------------------------------------
 
 class GatherHandle:
-    """An outstanding coalesced gather; `wait()` rebuilds the full params and makes them AVAILABLE."""
+    """Outstanding gathers of `params`; `wait()` gives them their full data and makes them AVAILABLE.
+    `unpack()`, called once the works are done, returns each parameter's full flat data."""
 
-    def __init__(self, params: list[ZeroParameter], work: Any, output: torch.Tensor | None) -> None:
+    def __init__(self, params: list[ZeroParameter], works: list[Any],
+                 unpack: Callable[[], list[torch.Tensor]]) -> None:
         self.params = params
-        self._work = work
-        self._output = output
+        self._works = works
+        self._unpack: Callable[[], list[torch.Tensor]] | None = unpack
         self.numel = sum(p.zs_state.numel for p in params)
 
     def wait(self) -> None:
-        if self._output is None:
+        if self._unpack is None:
             return
-        if self._work is not None:
-            self._work.wait()  # the only call made on the handle: gloo's have no usable future
-        world_size = self.params[0].zs_state.world_size
-        rows = self._output.view(world_size, -1)
-        offset = 0
-        for param in self.params:
-            state = param.zs_state
-            size = state.partition_numel
-            full = rows[:, offset:offset + size].reshape(-1)[:state.numel]
-            param.data = full.view(state.shape)
+        for work in self._works:
+            if work is not None:
+                work.wait()  # the only call made on a handle: gloo's have no usable future
+        for param, full in zip(self.params, self._unpack()):
+            param.data = full.view(param.zs_state.shape)
             set_status(param, ZeroParamStatus.AVAILABLE)
-            offset += size
-        self._output = None
+        self._unpack = None
+        self._works = []
 
 
 def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) -> MultiGatherHandle:
@@ -116,25 +117,92 @@ def gather_params(params: Iterable[torch.nn.Parameter], async_op: bool = False) 
     for param in todo:
         key = (param.zs_state.partition.dtype, id(param.zs_state.group))
         by_dtype.setdefault(key, []).append(param)
-    handles = [_gather_same_dtype(group, async_op) for group in by_dtype.values()]
-    return MultiGatherHandle(handles)
+    return MultiGatherHandle([handle for group in by_dtype.values() for handle in _gather_same_dtype(group, async_op)])
 
 
 def compute_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def _gather_same_dtype(params: list[ZeroParameter], async_op: bool) -> GatherHandle:
+def _gather_same_dtype(params: list[ZeroParameter], async_op: bool) -> list[GatherHandle]:
     for param in params:
         set_status(param, ZeroParamStatus.INFLIGHT)
-    state = params[0].zs_state
-    local = _local_partitions(params)
     # Partitions may live in host memory (offload_param); the gather runs on the compute device.
-    device = compute_device()
-    local = local.to(device, non_blocking=True)
+    if comm.prefers_in_place(params[0].zs_state.group):
+        return _gather_in_place(params, compute_device(), async_op)
+    return [_gather_rank_major(params, compute_device(), async_op)]
+
+
+def _gather_rank_major(params: list[ZeroParameter], device: torch.device, async_op: bool) -> GatherHandle:
+    """One `all_gather_into_tensor` of the partitions end to end; parameter i is then cut out of
+    chunk i of every rank's slice (a copy)."""
+    state = params[0].zs_state
+    local = _local_partitions(params).to(device, non_blocking=True)
     output = torch.empty(local.numel() * state.world_size, dtype=local.dtype, device=device)
     work = comm.all_gather_into_tensor(output, local, group=state.group, async_op=async_op)
-    return GatherHandle(params, work if async_op else None, output)
+
+    def unpack() -> list[torch.Tensor]:
+        rows = output.view(state.world_size, -1)
+        full, offset = [], 0
+        for param in params:
+            size = param.zs_state.partition_numel
+            full.append(rows[:, offset:offset + size].reshape(-1)[:param.zs_state.numel])
+            offset += size
+        return full
+    return GatherHandle(params, [work if async_op else None], unpack)
+
+
+def _gather_in_place(params: list[ZeroParameter], device: torch.device, async_op: bool) -> list[GatherHandle]:
+    """gloo ([Note: gloo temporaries] in comm/comm.py): parameters packed in order into buffers of at
+    most `IN_PLACE_PACK_BYTES` (a larger parameter alone in its own), one handle each, so a fetch
+    waits only for the buffers its module needs, a released parameter keeps at most a small buffer
+    alive, and many small parameters (the persistent ones) still travel in few collectives."""
+    handles: list[GatherHandle] = []
+    run: list[ZeroParameter] = []
+    run_bytes = 0
+    for param in params:
+        nbytes = param.zs_state.padded_numel * param.zs_state.partition.element_size()
+        if run and run_bytes + nbytes > IN_PLACE_PACK_BYTES:
+            handles.append(_gather_packed(run, device, async_op))
+            run, run_bytes = [], 0
+        run.append(param)
+        run_bytes += nbytes
+    return handles + ([_gather_packed(run, device, async_op)] if run else [])
+
+
+def _gather_packed(params: list[ZeroParameter], device: torch.device, async_op: bool) -> GatherHandle:
+    """One buffer, each parameter's padded slot end to end, this rank's partition written at its
+    place in each slot and zeros elsewhere, completed by one in-place all-gather: each slot then *is*
+    the full parameter (a view), with no concatenation, no copy out and no temporary."""
+    buffer = torch.empty(sum(p.zs_state.padded_numel for p in params), dtype=params[0].zs_state.partition.dtype,
+                         device=device)
+    if len(params) > 1:
+        buffer.zero_()
+    slots, offset = [], 0
+    for param in params:
+        state = param.zs_state
+        size = state.partition_numel
+        start = offset + state.dp_rank * size
+        if len(params) == 1:   # a large parameter: zero only the other ranks' chunks
+            buffer[:start].zero_()
+            buffer[start + size:].zero_()
+        _read_partition(state, buffer.narrow(0, start, size))
+        slots.append(buffer.narrow(0, offset, state.numel))
+        offset += state.padded_numel
+    work = comm.all_gather_in_place(buffer, group=params[0].zs_state.group, async_op=async_op)
+    return GatherHandle(params, [work], lambda: slots)
+
+
+def _read_partition(state: ZeroParamState, out: torch.Tensor) -> None:
+    """Copy this rank's partition into `out`, wherever it lives (read from NVMe when swapped)."""
+    if state.swapped is None:
+        out.copy_(state.partition)
+    elif out.device.type == "cpu":
+        state.swapped.swapper.read_into(state.swapped, out)
+    else:  # the swapper reads into host memory
+        host = torch.empty(out.shape, dtype=out.dtype)
+        state.swapped.swapper.read_into(state.swapped, host)
+        out.copy_(host)
 
 
 def _local_partitions(params: list[ZeroParameter]) -> torch.Tensor:
@@ -145,11 +213,7 @@ def _local_partitions(params: list[ZeroParameter]) -> torch.Tensor:
     local = torch.empty(sum(s.partition_numel for s in states), dtype=states[0].partition.dtype)
     offset = 0
     for state in states:
-        piece = local.narrow(0, offset, state.partition_numel)
-        if state.swapped is not None:
-            state.swapped.swapper.read_into(state.swapped, piece)
-        else:
-            piece.copy_(state.partition)
+        _read_partition(state, local.narrow(0, offset, state.partition_numel))
         offset += state.partition_numel
     return local
 

@@ -27,6 +27,7 @@ Invariants
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 
 from zerospeed.runtime.zero.gather_order_check import GatherOrderCheck
 from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus
-from zerospeed.runtime.zero.partition_parameters import MultiGatherHandle, gather_params, release_params
+from zerospeed.runtime.zero.partition_parameters import GatherHandle, gather_params, release_params
 from zerospeed.utils.logging import logger
 
 __all__ = ["PartitionedParameterCoordinator", "ZeRoTraceMode"]
@@ -54,6 +55,32 @@ class TraceEntry:
     params: tuple[ZeroParameter, ...]
 
 
+class ReuseWindow:
+    """Which parameters a trace uses again soon: ds_id `d` is reused soon at step `s` when it occurs
+    in the trace entries from `s` on that start before `max_reuse_distance` elements have been
+    traversed (each entry counting its parameters' numel). Prefix sums and each ds_id's sorted
+    occurrences answer that by bisection, where walking the trace made every release O(trace)."""
+
+    def __init__(self, trace: list[TraceEntry], max_reuse_distance: int) -> None:
+        self.trace = trace
+        self.max_reuse_distance = max_reuse_distance
+        self.prefix_numel = [0]
+        self.occurrences: dict[int, list[int]] = {}
+        for index, entry in enumerate(trace):
+            for param in entry.params:
+                self.occurrences.setdefault(param.zs_state.ds_id, []).append(index)
+            self.prefix_numel.append(self.prefix_numel[-1] + sum(p.zs_state.numel for p in entry.params))
+
+    def reused_soon(self, ds_id: int, step_id: int) -> bool:
+        if step_id >= len(self.trace):
+            return False
+        limit = self.prefix_numel[step_id] + self.max_reuse_distance
+        end = min(bisect.bisect_left(self.prefix_numel, limit, lo=step_id), len(self.trace))
+        found = self.occurrences.get(ds_id, [])
+        next_use = bisect.bisect_left(found, step_id)
+        return next_use < len(found) and found[next_use] < end
+
+
 class PartitionedParameterCoordinator:
     def __init__(self, prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int,
                  all_params: list[ZeroParameter]) -> None:
@@ -65,7 +92,7 @@ class PartitionedParameterCoordinator:
         self.trace: list[TraceEntry] = []
         self._recording: list[TraceEntry] = []
         self.step_id = 0
-        self._inflight: dict[int, MultiGatherHandle] = {}
+        self._inflight: dict[int, GatherHandle] = {}
         self._owned: set[int] = set()   # ds_ids this coordinator gathered (and so may release)
         self.n_available_numel = 0
         self.peak_available_numel = 0
@@ -74,6 +101,7 @@ class PartitionedParameterCoordinator:
         self._swapping = False
         self.order_check: GatherOrderCheck | None = None   # set by DeepSpeedZeRoOffload
         self._fetching = (-1, True)     # (module id, forward) of the fetch in progress, for the log
+        self._window: ReuseWindow | None = None
 
     # --- trace --------------------------------------------------------------------------------
     def is_complete_trace(self) -> bool:
@@ -153,15 +181,15 @@ class PartitionedParameterCoordinator:
         if self.order_check is not None:   # [Note: gather-order check]; prefetches are the async gathers
             ds_ids = sorted({p.zs_state.ds_id for p in params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE})
             self.order_check.record(*self._fetching, async_op, ds_ids)
-        handle = gather_params(params, async_op=async_op)
-        for param in handle.params:
-            self._inflight[param.zs_state.ds_id] = handle
-            if not param.zs_state.persist:
-                self._owned.add(param.zs_state.ds_id)
-                self.n_available_numel += param.zs_state.numel
+        for handle in gather_params(params, async_op=async_op).handles:
+            for param in handle.params:   # a fetch waits for its parameters' handles only
+                self._inflight[param.zs_state.ds_id] = handle
+                if not param.zs_state.persist:
+                    self._owned.add(param.zs_state.ds_id)
+                    self.n_available_numel += param.zs_state.numel
         self.peak_available_numel = max(self.peak_available_numel, self.n_available_numel)
 
-    def _complete(self, handle: MultiGatherHandle) -> None:
+    def _complete(self, handle: GatherHandle) -> None:
         handle.wait()
         for param in handle.params:
             self._inflight.pop(param.zs_state.ds_id, None)
@@ -205,23 +233,15 @@ class PartitionedParameterCoordinator:
             param.zs_state.active_sub_modules.discard(module_id)
         candidates = [p for p in params if p.zs_state.ds_id in self._owned and not p.zs_state.active_sub_modules
                       and p.zs_state.status is ZeroParamStatus.AVAILABLE]
-        if self.is_complete_trace():
-            reused = self._reused_soon()
-            candidates = [p for p in candidates if p.zs_state.ds_id not in reused
-                          or self.n_available_numel > self.max_live_parameters]
+        if self.is_complete_trace() and self.n_available_numel <= self.max_live_parameters:
+            window = self._reuse_window()
+            candidates = [p for p in candidates if not window.reused_soon(p.zs_state.ds_id, self.step_id)]
         self._release(candidates)
 
-    def _reused_soon(self) -> set[int]:
-        """ds_ids used by the trace within `max_reuse_distance` elements from the current step."""
-        reused: set[int] = set()
-        traversed = 0
-        for entry in self.trace[self.step_id:]:
-            if traversed >= self.max_reuse_distance:
-                break
-            for param in entry.params:
-                reused.add(param.zs_state.ds_id)
-                traversed += param.zs_state.numel
-        return reused
+    def _reuse_window(self) -> ReuseWindow:
+        if self._window is None or self._window.trace is not self.trace:
+            self._window = ReuseWindow(self.trace, self.max_reuse_distance)
+        return self._window
 
     def _release(self, params: list[ZeroParameter]) -> None:
         release_params(params)

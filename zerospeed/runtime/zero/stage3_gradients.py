@@ -9,7 +9,8 @@ and the collectives in flight.
 A post-accumulate-grad hook on each trainable parameter hands its full gradient to the bucket and
 drops `param.grad`. A bucket of `reduce_bucket_size` elements is one `reduce_scatter_tensor`: its
 input is `W` rows, row r the concatenation of each parameter's r-th chunk (zero-padded), so rank r
-receives exactly its partitions. With `overlap_comm` the reduce-scatter is asynchronous and one
+receives exactly its partitions. With gloo it is one all-reduce of the rows in place, after which
+rank r reads row r ([Note: gloo temporaries] in comm/comm.py). With `overlap_comm` the reduce-scatter is asynchronous and one
 stays in flight while the next bucket fills (`MAX_OUTSTANDING`, [Note: in-flight collectives] in
 comm/in_flight.py): two buckets of communication memory. Results are added into `grad_flat` once
 waited.
@@ -153,9 +154,8 @@ class Stage3GradientReducer:
         rows = self._bucket_rows(bucket)
         if self.before != 1.0:
             rows.mul_(self.before)
-        output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
-        work = comm.reduce_scatter_tensor(output, rows.view(-1), group=params[0].zs_state.group,
-                                          async_op=self.overlap_comm)
+        # a reduce-scatter; with gloo an in-place all-reduce of `rows` ([Note: gloo temporaries] in comm.py)
+        work, output = comm.reduce_scatter_rows_(rows, group=params[0].zs_state.group, async_op=self.overlap_comm)
         self._in_flight.submit(work, lambda: self._store(output, params), keepalive=(rows,))
 
     def _bucket_rows(self, bucket: list[tuple[ZeroParameter, torch.Tensor | None]]) -> torch.Tensor:

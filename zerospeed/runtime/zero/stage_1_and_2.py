@@ -359,7 +359,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         # In place: this rank's row is its shard, no copy of it and no gather buffer beside the flat
         # one ([Note: gloo staging] in comm/comm.py: on gloo the staging holds one chunk).
         for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
-            comm.all_gather_in_place(rows.narrow(1, offset, numel), group=group.process_group)
+            comm.all_gather_rows_in_place(rows.narrow(1, offset, numel), group=group.process_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:

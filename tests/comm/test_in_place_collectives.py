@@ -1,0 +1,39 @@
+"""The in-place collectives ([Note: gloo temporaries]): the all-gather keeps every bit (-0.0, NaN,
+odd byte counts), the rows reduce-scatter gives each rank its row of the sum."""
+
+import pytest
+import torch
+from distributed import run_on_ranks
+
+from zerospeed import comm
+
+
+def _gather_bits(dtype, numel):
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    pieces = [torch.tensor([-0.0, float("nan"), 1.5, -2.25, 3e-40])[:numel].to(dtype) * (r + 1)
+              for r in range(world_size)]
+    flat = torch.zeros(world_size * numel, dtype=dtype)
+    flat[rank * numel:(rank + 1) * numel] = pieces[rank]
+    comm.all_gather_in_place(flat)
+    return flat.view(torch.uint8), torch.cat(pieces).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype,numel", [(torch.float32, 5), (torch.bfloat16, 3), (torch.float16, 5)])
+def test_all_gather_in_place_keeps_every_bit(dtype, numel):
+    for gathered, expected in run_on_ranks(_gather_bits, 2, dtype, numel):
+        assert torch.equal(gathered, expected)
+
+
+def _rows():
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rows = torch.arange(world_size * 3, dtype=torch.float32).view(world_size, 3) * (rank + 1)
+    work, mine = comm.reduce_scatter_rows_(rows, async_op=True)
+    work.wait()
+    total = sum(r + 1 for r in range(world_size))
+    return mine, torch.arange(rank * 3, rank * 3 + 3, dtype=torch.float32) * total, comm.prefers_in_place()
+
+
+def test_reduce_scatter_rows_gives_each_rank_its_row_of_the_sum():
+    for mine, expected, in_place in run_on_ranks(_rows, 2):
+        assert in_place  # the harness runs gloo
+        assert torch.equal(mine, expected)
