@@ -45,6 +45,12 @@ class InFlightQueue:
         while len(self._queue) > self.max_outstanding:
             self._finish_oldest()
 
+    def reserve(self, count: int) -> None:
+        """Finish the oldest collectives until `count` more can be submitted within the bound (a
+        caller about to reuse a buffer that an in-flight collective may still hold)."""
+        while self._queue and len(self._queue) + count > self.max_outstanding:
+            self._finish_oldest()
+
     def drain(self) -> None:
         """Finish every collective still in flight, oldest first."""
         while self._queue:

@@ -33,6 +33,7 @@ from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
 from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
+from zerospeed.utils.host_allocator import settle_mmap_threshold
 from zerospeed.utils.logging import log_dist, logger
 
 
@@ -43,6 +44,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
                  config: Any = None, config_class: DeepSpeedConfig | None = None, **_: Any) -> None:
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
+        settle_mmap_threshold()   # before any training state exists ([Note: glibc mmap threshold])
         self._init_counters()
         raw_config = config_class._param_dict if config_class is not None else load_ds_config(config)
         # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).

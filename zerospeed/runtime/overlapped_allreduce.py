@@ -9,9 +9,20 @@ in bucket order, each once all its members are ready. `finish()` (the backward e
 the rest, with zeros for parameters that got no gradient on this rank, waits, and copies back.
 
 At most `MAX_IN_FLIGHT_BUCKETS` launched buckets stay in flight: launching one more first waits
-for the oldest, copies its result into the gradients and frees its flat buffer ([Note: in-flight
-collectives] in comm/in_flight.py). Holding every bucket until `finish()` kept a second copy of
-all gradients alive at the end of backward, the step's peak (issue 21: a model's worth of RSS).
+for the oldest and copies its result into the gradients ([Note: in-flight collectives] in
+comm/in_flight.py). Holding every bucket until `finish()` kept a second copy of all gradients
+alive at the end of backward, the step's peak (issue 21: a model's worth of RSS).
+
+[Note: reused flat buffers]
+With the bound, bucket `b` is flattened into slab `b % MAX_IN_FLIGHT_BUCKETS`, allocated once and
+reused every step: before bucket `b + MAX_IN_FLIGHT_BUCKETS` is flattened, bucket `b` is waited
+for and copied back. A fresh flat tensor per bucket and step was mapped and first-touched anew
+whenever glibc had returned the previous one to the system: on the wide4 GPT (buckets of 4M
+elements then), 28k of the 63k minor page faults of 11 steps, in bursts of 4-17k on some steps
+and none on others: stage 0's step-time jitter (issue 21). Buckets are now at most 1M elements
+(4 MiB), so the two slabs hold 8 MiB where two 16 MiB buckets were in flight before; measured on
+wide4, peak RSS 582 MiB (was 600; DDP 583) and ~0 faults per step. Without the bound (several
+reduction groups, below) every bucket gets a fresh buffer, as before.
 With several reduction groups (expert parallelism) the buckets of different groups may launch in
 a different order on different ranks, and an early wait on one group could then block a rank that
 another rank waits for on the other: there every bucket waits for `finish()`, as before.
@@ -32,15 +43,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 
 from zerospeed import comm
 from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 
 # Buckets are at most this many elements even when `reduce_bucket_size` is larger (DeepSpeed's
-# default 5e8 would make one bucket, i.e. no overlap); DDP's buckets are 25 MiB.
-MAX_OVERLAP_BUCKET_NUMEL = 1 << 22
+# default 5e8 would make one bucket, i.e. no overlap); DDP's buckets are 25 MiB. Smaller buckets
+# make smaller reused slabs ([Note: reused flat buffers]).
+MAX_OVERLAP_BUCKET_NUMEL = 1 << 20
 # Launched buckets still in flight while backward goes on (as the stage-1/2 reducers keep).
 MAX_IN_FLIGHT_BUCKETS = 2
 
@@ -62,6 +74,15 @@ def plan_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_numel: int
     return buckets
 
 
+def _slab_numels(bucket_numels: list[int], num_slabs: int) -> list[int]:
+    """Each slab's size: the largest bucket that cycles through it (bucket b uses slab b % n)."""
+    sizes = [0] * min(num_slabs, len(bucket_numels))
+    for bucket_index, numel in enumerate(bucket_numels):
+        slot = bucket_index % num_slabs
+        sizes[slot] = max(sizes[slot], numel)
+    return sizes
+
+
 class OverlappedAllReduce:
     def __init__(self, params: list[torch.Tensor], bucket_numel: int, group: Any, settings: PrecisionSettings,
                  average_world_size: int | None = None, bound_in_flight: bool = True) -> None:
@@ -76,6 +97,9 @@ class OverlappedAllReduce:
         # ([Note: expert gradient reduction] in expert_gradients.py).
         self.before, self.after = averaging_factors(settings, average_world_size or comm.get_world_size(group))
         self._in_flight = InFlightQueue(MAX_IN_FLIGHT_BUCKETS if bound_in_flight else len(self.buckets))
+        numels = [sum(params[index].numel() for index in bucket) for bucket in self.buckets]
+        self._slab_numels = _slab_numels(numels, MAX_IN_FLIGHT_BUCKETS) if bound_in_flight else []
+        self._slabs: list[torch.Tensor | None] = [None] * len(self._slab_numels)
         self._reset()
 
     def _reset(self) -> None:
@@ -99,12 +123,30 @@ class OverlappedAllReduce:
             for grad in grads:
                 self._average_alone(grad)
             return
-        flat = _flatten_dense_tensors(grads)
-        flat = flat.to(self.comm_dtype) if flat.dtype != self.comm_dtype else flat
+        flat = self._flatten(bucket_index, grads)
         if self.before != 1.0:
             flat.mul_(self.before)
         handle = comm.all_reduce(flat, group=self.group, async_op=True)
         self._in_flight.submit(handle, lambda: self._copy_back(flat, grads))
+
+    def _flatten(self, bucket_index: int, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The bucket's gradients in one flat tensor of the communication dtype (a reused slab when
+        in-flight buckets are bounded: [Note: reused flat buffers])."""
+        if not self._slabs:
+            flat = _flatten_dense_tensors(grads)
+            return flat.to(self.comm_dtype) if flat.dtype != self.comm_dtype else flat
+        # The slab's previous bucket must be copied back before it is overwritten.
+        self._in_flight.reserve(1)
+        slot = bucket_index % len(self._slabs)
+        slab = self._slabs[slot]
+        if slab is None:
+            slab = self._slabs[slot] = torch.empty(self._slab_numels[slot], dtype=self.comm_dtype)
+        flat = slab[:sum(grad.numel() for grad in grads)]
+        offset = 0
+        for grad in grads:
+            flat[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+            offset += grad.numel()
+        return flat
 
     def _average_alone(self, grad: torch.Tensor) -> None:
         """The averaging of a one-rank reduction, in place: the same roundings as flatten, scale, copy back."""
@@ -120,8 +162,10 @@ class OverlappedAllReduce:
     def _copy_back(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         if self.after != 1.0:
             flat.mul_(self.after)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def finish(self, grad_of: Callable[[int], torch.Tensor]) -> None:
         """Launch the buckets not yet launched (zeros where no gradient came), wait, copy back."""
