@@ -45,17 +45,17 @@ def _run(**env: str) -> tuple[bool, int]:
 
 
 def test_settled_threshold_serves_repeated_blocks_from_the_heap():
-    settled, faults = _run()
+    settled, faults = _run(ZS_SETTLE_MMAP_THRESHOLD="1")
     assert settled
     assert faults <= 1.25 * PAGES, faults
 
 
-def test_glibc_starting_threshold_maps_the_first_block_afresh():
-    settled, faults = _run(ZS_SETTLE_MMAP_THRESHOLD="0")
+def test_by_default_glibc_starting_threshold_maps_the_first_block_afresh():
+    settled, faults = _run()
     assert not settled
     assert faults >= 1.75 * PAGES, faults
 
 
 def test_a_threshold_fixed_by_the_user_is_left_alone():
-    settled, _ = _run(MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    settled, _ = _run(ZS_SETTLE_MMAP_THRESHOLD="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     assert not settled

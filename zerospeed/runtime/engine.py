@@ -44,7 +44,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
                  config: Any = None, config_class: DeepSpeedConfig | None = None, **_: Any) -> None:
         super().__init__()
         assert model is not None, "deepspeed.initialize requires a model"
-        settle_mmap_threshold()   # before any training state exists ([Note: glibc mmap threshold])
+        settle_mmap_threshold()   # opt-in; before any training state exists ([Note: glibc mmap threshold])
         self._init_counters()
         raw_config = config_class._param_dict if config_class is not None else load_ds_config(config)
         # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).

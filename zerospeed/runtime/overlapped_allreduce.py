@@ -21,7 +21,10 @@ whenever glibc had returned the previous one to the system: on the wide4 GPT (bu
 elements then), 28k of the 63k minor page faults of 11 steps, in bursts of 4-17k on some steps
 and none on others: stage 0's step-time jitter (issue 21). Buckets are now at most 1M elements
 (4 MiB), so the two slabs hold 8 MiB where two 16 MiB buckets were in flight before; measured on
-wide4, peak RSS 582 MiB (was 600; DDP 583) and ~0 faults per step. Without the bound (several
+wide4, peak RSS 582 MiB (was 600; DDP 583) and ~0 faults per step. On wide10 the old buffers'
+frees had, as a side effect, raised glibc's mmap threshold to 16 MiB, so activations were reused
+from the heap; without them its forward faults again (10-40k a step, DDP 11k), as other systems':
+[Note: glibc mmap threshold] in utils/host_allocator.py has the opt-in that settles it. Without the bound (several
 reduction groups, below) every bucket gets a fresh buffer, as before.
 With several reduction groups (expert parallelism) the buckets of different groups may launch in
 a different order on different ranks, and an early wait on one group could then block a rank that

@@ -1,4 +1,4 @@
-"""glibc's dynamic mmap threshold, settled once per process at engine start.
+"""glibc's dynamic mmap threshold, settled once per process at engine start when asked to.
 
 [Note: glibc mmap threshold]
 glibc's malloc serves a block above `M_MMAP_THRESHOLD` (128 KiB at start) with a fresh `mmap`,
@@ -12,11 +12,16 @@ and between runs, and showed as bursts of 4-40k minor faults on some steps and n
 (issue 21: stage 0's step-time jitter on the wide4 GPT, 40k faults a step on wide10 once stage 0's
 own buffers stopped raising the threshold by accident).
 
-`settle_mmap_threshold` maps and frees one block just under glibc's ceiling at engine start, so the
-threshold starts where a long run would take it anyway (32 MiB, trim 64 MiB) on every rank. Only
-the starting point moves: glibc's own dynamic rule is kept, and a threshold the user fixed through
-`MALLOC_MMAP_THRESHOLD_` (which turns the dynamic rule off) is left alone, as is every non-glibc
-platform. `ZS_SETTLE_MMAP_THRESHOLD=0` turns it off.
+With `ZS_SETTLE_MMAP_THRESHOLD=1`, `settle_mmap_threshold` maps and frees one untouched block just
+under glibc's ceiling at engine start, so the threshold starts where a long run would take it
+anyway (32 MiB, trim 64 MiB) on every rank. Only the starting point moves: glibc's own dynamic
+rule is kept, and a threshold the user fixed through `MALLOC_MMAP_THRESHOLD_` (which turns the
+dynamic rule off) is left alone, as is every non-glibc platform.
+
+It is off by default because it trades memory for faults: blocks up to 32 MiB freed into the heap
+stay resident and fragment it. Measured (docs/benchmarks.md): wide10 stage 0 3k faults a step
+instead of 10-40k, but the Ulysses benchmark's sp 2 peak at 16k tokens 920 MiB instead of 861,
+and peak RSS is what decides whether a model fits. DeepSpeed leaves the allocator alone too.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ _BLOCK_BYTES = _GLIBC_DYNAMIC_CEILING_BYTES - (64 << 10)
 
 @functools.cache
 def settle_mmap_threshold() -> bool:
-    """Raise glibc's dynamic mmap threshold to its ceiling once per process; True if it was done."""
-    if os.environ.get("ZS_SETTLE_MMAP_THRESHOLD", "1") == "0" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    """Raise glibc's dynamic mmap threshold to its ceiling once per process if
+    `ZS_SETTLE_MMAP_THRESHOLD=1`; True if it was done."""
+    if os.environ.get("ZS_SETTLE_MMAP_THRESHOLD", "0") != "1" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
