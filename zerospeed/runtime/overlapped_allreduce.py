@@ -19,8 +19,8 @@ reused every step: before bucket `b + MAX_IN_FLIGHT_BUCKETS` is flattened, bucke
 for and copied back. A fresh flat tensor per bucket and step was mapped and first-touched anew
 whenever glibc had returned the previous one to the system: on the wide4 GPT (buckets of 4M
 elements then), 28k of the 63k minor page faults of 11 steps, in bursts of 4-17k on some steps
-and none on others: stage 0's step-time jitter (issue 21). Buckets are now at most 1M elements
-(4 MiB), so the two slabs hold 8 MiB where two 16 MiB buckets were in flight before; measured on
+and none on others: stage 0's step-time jitter (issue 21). On CPU, buckets are now at most 1M
+elements (4 MiB), so the two slabs hold 8 MiB where two 16 MiB buckets were in flight before; measured on
 wide4, peak RSS 582 MiB (was 600; DDP 583) and ~0 faults per step. On wide10 the old buffers'
 frees had, as a side effect, raised glibc's mmap threshold to 16 MiB, so activations were reused
 from the heap; without them its forward faults again (10-40k a step, DDP 11k), as other systems':
@@ -53,9 +53,11 @@ from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 
 # Buckets are at most this many elements even when `reduce_bucket_size` is larger (DeepSpeed's
-# default 5e8 would make one bucket, i.e. no overlap); DDP's buckets are 25 MiB. Smaller buckets
-# make smaller reused slabs ([Note: reused flat buffers]).
-MAX_OVERLAP_BUCKET_NUMEL = 1 << 20
+# default 5e8 would make one bucket, i.e. no overlap); DDP's buckets are 25 MiB. On CPU ranks the
+# cap is smaller, so the reused slabs are ([Note: reused flat buffers]); an accelerator keeps
+# fewer, larger collectives (each NCCL launch has a fixed cost).
+MAX_OVERLAP_BUCKET_NUMEL = 1 << 22
+MAX_OVERLAP_BUCKET_NUMEL_CPU = 1 << 20
 # Launched buckets still in flight while backward goes on (as the stage-1/2 reducers keep).
 MAX_IN_FLIGHT_BUCKETS = 2
 
@@ -89,7 +91,9 @@ def _slab_numels(bucket_numels: list[int], num_slabs: int) -> list[int]:
 class OverlappedAllReduce:
     def __init__(self, params: list[torch.Tensor], bucket_numel: int, group: Any, settings: PrecisionSettings,
                  average_world_size: int | None = None, bound_in_flight: bool = True) -> None:
-        bucket_numel = max(1, min(int(bucket_numel), MAX_OVERLAP_BUCKET_NUMEL))
+        on_cpu = not params or params[0].device.type == "cpu"
+        cap = MAX_OVERLAP_BUCKET_NUMEL_CPU if on_cpu else MAX_OVERLAP_BUCKET_NUMEL
+        bucket_numel = max(1, min(int(bucket_numel), cap))
         dtypes = [settings.grad_accum_dtype] * len(params)
         self.buckets = plan_buckets([p.numel() for p in params], dtypes, bucket_numel)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
