@@ -147,7 +147,8 @@ class OverlappedAllReduce:
         slot = bucket_index % len(self._slabs)
         slab = self._slabs[slot]
         if slab is None:
-            slab = self._slabs[slot] = torch.empty(self._slab_numels[slot], dtype=self.comm_dtype)
+            slab = self._slabs[slot] = torch.empty(self._slab_numels[slot], dtype=self.comm_dtype,
+                                                   device=grads[0].device)
         flat = slab[:sum(grad.numel() for grad in grads)]
         offset = 0
         for grad in grads:
