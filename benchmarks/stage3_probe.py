@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import RunSpec, _batches, _build, _CollectiveCounter, _ds_config
+from harness import RunSpec, _batches, _build, _CollectiveCounter, _ds_config, finish_rank
 
 SHAPES = {  # GPT-2-style shapes of issue 21: (model, micro-batch)
     "wide4": (dict(n_layer=4, n_head=6, n_embd=384, block_size=128), 8),     # 7.25M params
@@ -99,7 +99,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results: Any) -
         engine, _, _, _ = zerospeed.initialize(model=model, config=_ds_config(spec))
         forward, backward, step = engine, engine.backward, engine.step
     else:
-        forward, backward, step = _build(spec, model, _CollectiveCounter())
+        forward, backward, step = _build(spec, model, _CollectiveCounter(), lambda *args: None)
     timer = _GCTimer()
     profiler = _start_profiler(args.profile if rank == 0 else "none")
     rows = []
@@ -131,9 +131,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results: Any) -
         _report_profiler(profiler, args)
     summary = {"rank": rank, "steps": rows, "loss": float(loss.item()), "gc_collections": timer.collections,
                "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
-    results.put(summary)
-    dist.barrier()
-    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit; docs/testing.md)
+    finish_rank(results, summary)   # flushes the queue before os._exit (a lost result hung the parent)
 
 
 def _start_profiler(kind: str) -> Any:
