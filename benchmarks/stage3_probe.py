@@ -242,14 +242,16 @@ def run_ab(args: argparse.Namespace, passthrough: list[str]) -> None:
             print(f"round {round_index} {tree}: median {result['step_median_s']:.3f} min {result['step_min_s']:.3f} "
                   f"phases {[round(p, 3) for p in result['phases_s']]} "
                   f"main-thread cpu {[round(p, 3) for p in result['thread_cpu_s']]} cpu {result['process_cpu_s']:.3f} minflt {result['minflt_per_step']:.0f} "
-                  f"gc {result['gc_ms_per_step']:.1f} ms peak {result['maxrss_mib']:.0f} MiB load {_load()}",
+                  f"gc {result['gc_ms_per_step']:.1f} ms peak {result['maxrss_mib']:.0f} MiB "
+                  f"(fwd / bwd / step {' / '.join(f'{p:.0f}' for p in result['phase_peak_mib'])}) load {_load()}",
                   flush=True)
     for tree, runs in by_tree.items():
         pick = {key: statistics.median(r[key] for r in runs) for key in
                 ("step_median_s", "step_min_s", "process_cpu_s", "minflt_per_step", "gc_ms_per_step", "maxrss_mib")}
         phases = [round(statistics.median(r["phases_s"][i] for r in runs), 3) for i in range(3)]
         cpu = [round(statistics.median(r["thread_cpu_s"][i] for r in runs), 4) for i in range(3)]
-        print(f"{tree}: " + " ".join(f"{k} {v:.3f}" for k, v in pick.items()) + f" phases {phases} main-thread cpu {cpu} "
+        peaks = [round(statistics.median(r["phase_peak_mib"][i] for r in runs)) for i in range(3)]
+        print(f"{tree}: " + " ".join(f"{k} {v:.3f}" for k, v in pick.items()) + f" phases {phases} main-thread cpu {cpu} phase peaks {peaks} "
               f"median/min {pick['step_median_s'] / pick['step_min_s']:.3f} loss {runs[0]['loss']!r}")
 
 

@@ -82,13 +82,19 @@ class Slab:
 class GradientSlabs:
     """The two buffers slabs are opened in ([Note: gradient slabs])."""
 
-    def __init__(self, capacity_numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, capacity_numel: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        """`device`: allocate both buffers now (see below); None: on the first gradient's device."""
         if capacity_numel < 1:
             raise ValueError(f"slab capacity must be positive, got {capacity_numel}")
         self.capacity_numel = capacity_numel
         self.dtype = dtype
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._last_reduced = 1      # the buffer holding the rows reduced last (maybe in flight)
+        if device is not None:
+            # at set-up, not amid the first backward's activations: a buffer that outlives the
+            # step, placed by malloc above their freed memory, would keep the heap from shrinking
+            for index in (0, 1):
+                self._buffer(index, 1, device)
 
     def open(self, world_size: int, group: object, device: torch.device) -> Slab:
         """A slab over `world_size` ranks in the buffer not reduced last."""
