@@ -130,7 +130,8 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results: Any) -
     if profiler is not None:
         _report_profiler(profiler, args)
     summary = {"rank": rank, "steps": rows, "loss": float(loss.item()), "gc_collections": timer.collections,
-               "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+               # the kernel's maxrss is VmHWM, which every phase resets: the measured steps' peak instead
+               "maxrss_mib": max(max(row["peaks_mib"]) for row in rows)}
     finish_rank(results, summary)   # flushes the queue before os._exit (a lost result hung the parent)
 
 
