@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import RunSpec, _batches, _build, _CollectiveCounter, _ds_config
+from harness import RunSpec, _batches, _build, _CollectiveCounter, _ds_config, finish_rank
 
 SHAPES = {  # GPT-2-style shapes of issue 21: (model, micro-batch)
     "wide4": (dict(n_layer=4, n_head=6, n_embd=384, block_size=128), 8),     # 7.25M params
@@ -99,7 +99,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results: Any) -
         engine, _, _, _ = zerospeed.initialize(model=model, config=_ds_config(spec))
         forward, backward, step = engine, engine.backward, engine.step
     else:
-        forward, backward, step = _build(spec, model, _CollectiveCounter())
+        forward, backward, step = _build(spec, model, _CollectiveCounter(), lambda *args: None)
     timer = _GCTimer()
     profiler = _start_profiler(args.profile if rank == 0 else "none")
     rows = []
@@ -130,10 +130,9 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results: Any) -
     if profiler is not None:
         _report_profiler(profiler, args)
     summary = {"rank": rank, "steps": rows, "loss": float(loss.item()), "gc_collections": timer.collections,
-               "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
-    results.put(summary)
-    dist.barrier()
-    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit; docs/testing.md)
+               # the kernel's maxrss is VmHWM, which every phase resets: the measured steps' peak instead
+               "maxrss_mib": max(max(row["peaks_mib"]) for row in rows)}
+    finish_rank(results, summary)   # flushes the queue before os._exit (a lost result hung the parent)
 
 
 def _start_profiler(kind: str) -> Any:
@@ -244,14 +243,16 @@ def run_ab(args: argparse.Namespace, passthrough: list[str]) -> None:
             print(f"round {round_index} {tree}: median {result['step_median_s']:.3f} min {result['step_min_s']:.3f} "
                   f"phases {[round(p, 3) for p in result['phases_s']]} "
                   f"main-thread cpu {[round(p, 3) for p in result['thread_cpu_s']]} cpu {result['process_cpu_s']:.3f} minflt {result['minflt_per_step']:.0f} "
-                  f"gc {result['gc_ms_per_step']:.1f} ms peak {result['maxrss_mib']:.0f} MiB load {_load()}",
+                  f"gc {result['gc_ms_per_step']:.1f} ms peak {result['maxrss_mib']:.0f} MiB "
+                  f"(fwd / bwd / step {' / '.join(f'{p:.0f}' for p in result['phase_peak_mib'])}) load {_load()}",
                   flush=True)
     for tree, runs in by_tree.items():
         pick = {key: statistics.median(r[key] for r in runs) for key in
                 ("step_median_s", "step_min_s", "process_cpu_s", "minflt_per_step", "gc_ms_per_step", "maxrss_mib")}
         phases = [round(statistics.median(r["phases_s"][i] for r in runs), 3) for i in range(3)]
         cpu = [round(statistics.median(r["thread_cpu_s"][i] for r in runs), 4) for i in range(3)]
-        print(f"{tree}: " + " ".join(f"{k} {v:.3f}" for k, v in pick.items()) + f" phases {phases} main-thread cpu {cpu} "
+        peaks = [round(statistics.median(r["phase_peak_mib"][i] for r in runs)) for i in range(3)]
+        print(f"{tree}: " + " ".join(f"{k} {v:.3f}" for k, v in pick.items()) + f" phases {phases} main-thread cpu {cpu} phase peaks {peaks} "
               f"median/min {pick['step_median_s'] / pick['step_min_s']:.3f} loss {runs[0]['loss']!r}")
 
 

@@ -2,26 +2,28 @@
 
 `DeepSpeedZeroOptimizer_Stage3` (stage3.py) holds one, as stages 1/2 hold their
 `GradientBuckets`: the wrapper owns the tensors (`grad_flat`, the sub-group slots, the `sink` with
-optimizer offload) and passes them to the constructor; the reducer owns the hooks, the open bucket
+optimizer offload) and passes them to the constructor; the reducer owns the hooks, the open slab
 and the collectives in flight.
 
 [Note: gradient path]
-A post-accumulate-grad hook on each trainable parameter hands its full gradient to the bucket and
-drops `param.grad`. A bucket of `reduce_bucket_size` elements is one `reduce_scatter_tensor`: its
-input is `W` rows, row r the concatenation of each parameter's r-th chunk (zero-padded), so rank r
-receives exactly its partitions. With gloo it is one all-reduce of the rows in place, after which
-rank r reads row r ([Note: gloo temporaries] in comm/comm.py). With `overlap_comm` the reduce-scatter is asynchronous and one
-stays in flight while the next bucket fills (`MAX_OUTSTANDING`, [Note: in-flight collectives] in
-comm/in_flight.py): two buckets of communication memory. Results are added into `grad_flat` once
-waited.
-Gradients of z3-leaf modules wait for the end of backward ([Note: leaf-module gradients]); the
-bucket's own memory: [Note: bucket memory].
+A post-accumulate-grad hook on each trainable parameter copies its full gradient into the open
+slab and drops it (`param.grad` and the hook's reference: it is freed at once). A slab is one
+`reduce_scatter_tensor`: its input is `W` rows, row r the concatenation of each parameter's r-th
+chunk (zero-padded), so rank r receives exactly its partitions; slabs are at most
+`reduce_bucket_size` elements (capped), live in two buffers reused every step, and a parameter
+may span two of them ([Note: gradient slabs] in stage3_slabs.py). With gloo the reduce-scatter is
+one all-reduce of the rows in place, after which rank r reads row r ([Note: gloo temporaries] in
+comm/comm.py). With `overlap_comm` it is asynchronous and one stays in flight while the next slab
+fills (`MAX_OUTSTANDING`, [Note: in-flight collectives] in comm/in_flight.py). Results are added
+into `grad_flat` once waited.
+Gradients of z3-leaf modules wait for the end of backward ([Note: leaf-module gradients]).
 
 [Note: offloaded gradients at stage 3]
 The `grad_flat[k]` of an offloaded sub-group is a host buffer (pinned when applicable) and each
-reduce-scattered bucket reaches it through a `HostGradientSink` (host_grads.py) as the bucket
+reduce-scattered slab reaches it through a `HostGradientSink` (host_grads.py) as the slab
 completes, overlapped with the rest of backward, as at stages 1 and 2 ([Note: offloaded
-gradients] in stage_1_and_2.py); the sink holds the bucket's output until its copy has landed.
+gradients] in stage_1_and_2.py); the sink holds the slab's output (a copy of it, on an
+accelerator, when it is a view of a slab buffer) until its copy has landed.
 A slice whose widening to `grad_accum_dtype` is exact (bf16 into fp32) crosses as it is, half the
 bytes, and the host add widens it; a narrowing is done on the device first, as without offload,
 so both runs round the same way. `finish` synchronizes the sink, so the overflow
@@ -36,7 +38,7 @@ already sums, through the all-to-all's backward, the tokens of every rank of its
 group, so summing over the expert-data-parallel group covers all W ranks and the usual division
 by the data-parallel W gives the mean ([Note: expert gradient reduction], DeepSpeed's scaling).
 Which experts receive tokens, and so when their hooks fire, depends on each rank's data: like the
-z3-leaf gradients their reduction waits for the end of backward, in ds_id order, and a bucket
+z3-leaf gradients their reduction waits for the end of backward, in ds_id order, and a slab
 never mixes process groups. Each slice of each expert sits on exactly one rank of the world, so
 the norm and overflow reductions over the data-parallel group count every expert once.
 """
@@ -51,12 +53,15 @@ import torch
 from zerospeed import comm
 from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
+from zerospeed.runtime.zero.grad_buckets import MAX_BUCKET_NUMEL
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
-from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
+from zerospeed.runtime.zero.param_state import ZeroParameter
+from zerospeed.runtime.zero.partition_parameters import compute_device
+from zerospeed.runtime.zero.stage3_slabs import GradientSlabs, Slab, SlabPiece
 
 __all__ = ["GradientSlot", "MAX_OUTSTANDING", "Stage3GradientReducer"]
 
-# Reduce-scatters still in flight while the next bucket fills ([Note: gradient path]).
+# Reduce-scatters still in flight while the next slab fills ([Note: gradient path]).
 MAX_OUTSTANDING = 1
 
 
@@ -75,7 +80,7 @@ def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Stage3GradientReducer:
-    """Hooks, buckets, reduce-scatter and the host sink; `end_backward` ends a backward."""
+    """Hooks, slabs, reduce-scatter and the host sink; `end_backward` ends a backward."""
 
     def __init__(self, params: list[ZeroParameter], grad_flat: list[torch.Tensor],
                  slots: dict[int, GradientSlot], on_host: Callable[[int], bool], *,
@@ -96,8 +101,11 @@ class Stage3GradientReducer:
         self.sink = sink
         self.leaf_param_ids = leaf_param_ids
         self.before, self.after = averaging_factors(precision, self.world_size)
-        self._bucket: list[tuple[ZeroParameter, torch.Tensor | None]] = []
-        self._bucket_numel = 0
+        # [Note: gradient slabs]: bounded, and no larger than the model
+        padded_numel = sum(p.zs_state.padded_numel for p in params)
+        self._slabs = GradientSlabs(max(1, min(reduce_bucket_numel, MAX_BUCKET_NUMEL, padded_numel)),
+                                    precision.communication_dtype, compute_device())
+        self._slab: Slab | None = None
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
         self._deferred: dict[int, torch.Tensor] = {}
         self._leaf_params = sorted((p for p in params if p.zs_state.ds_id in leaf_param_ids
@@ -124,15 +132,22 @@ class Stage3GradientReducer:
         if state.ds_id in self.leaf_param_ids or state.group is not self.dp_group:
             self._deferred[state.ds_id] = grad  # see [Note: leaf-module gradients], [Note: MoE at stage 3]
             return
-        self._add_to_bucket(param, grad)  # type: ignore[arg-type]
+        self._add_to_slab(param, grad)  # type: ignore[arg-type]
 
-    def _add_to_bucket(self, param: ZeroParameter, grad: torch.Tensor) -> None:
-        if self._bucket and self._bucket[0][0].zs_state.group is not param.zs_state.group:
-            self._flush_bucket()   # a bucket is one reduce-scatter, over one group
-        self._bucket.append((param, grad))
-        self._bucket_numel += param.zs_state.padded_numel
-        if self._bucket_numel >= self.reduce_bucket_numel:
-            self._flush_bucket()
+    def _add_to_slab(self, param: ZeroParameter, grad: torch.Tensor) -> None:
+        """Copy `grad` into slabs ([Note: gradient slabs]), reducing each one that fills up; the
+        caller's reference is the last, so the full gradient is freed on return."""
+        group = param.zs_state.group
+        if self._slab is not None and self._slab.group is not group:
+            self._flush_slab()   # a slab is one reduce-scatter, over one group
+        flat = grad.reshape(-1)
+        column, size = 0, param.partition_numel()
+        while column < size:
+            if self._slab is None:
+                self._slab = self._slabs.open(param.zs_state.world_size, group, flat.device)
+            column += self._slab.write(param, flat, column)
+            if self._slab.free_columns == 0:
+                self._flush_slab()
 
     def _reduce_deferred(self) -> None:
         """[Note: leaf-module gradients] Inside a z3-leaf module (an MoE layer) which parameters
@@ -144,60 +159,40 @@ class Stage3GradientReducer:
             grad = self._deferred.pop(param.zs_state.ds_id, None)
             if grad is None:
                 grad = torch.zeros(param.zs_state.shape, dtype=param.dtype, device=param.ds_tensor.device)
-            self._add_to_bucket(param, grad)
+            self._add_to_slab(param, grad)
 
-    def _flush_bucket(self) -> None:
-        if not self._bucket:
+    def _flush_slab(self) -> None:
+        slab, self._slab = self._slab, None
+        if slab is None or not slab.pieces:
             return
-        bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
-        params = [param for param, _ in bucket]
-        rows = self._bucket_rows(bucket)
+        if slab.free_columns:
+            self._in_flight.drain()   # its rows are compacted into the other buffer: let it finish
+        rows = self._slabs.rows_to_reduce(slab)
         if self.before != 1.0:
             rows.mul_(self.before)
         # a reduce-scatter; with gloo an in-place all-reduce of `rows` ([Note: gloo temporaries] in comm.py)
-        work, output = comm.reduce_scatter_rows_(rows, group=params[0].zs_state.group, async_op=self.overlap_comm)
-        self._in_flight.submit(work, lambda: self._store(output, params), keepalive=(rows,))
+        work, output = comm.reduce_scatter_rows_(rows, group=slab.group, async_op=self.overlap_comm)
+        in_slab = output.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+        self._in_flight.submit(work, lambda: self._store(output, slab.pieces, in_slab), keepalive=(rows,))
 
-    def _bucket_rows(self, bucket: list[tuple[ZeroParameter, torch.Tensor | None]]) -> torch.Tensor:
-        """The reduce-scatter input: row r holds each parameter's r-th chunk, zero-padded.
-
-        [Note: bucket memory] Each full gradient is dropped as soon as it is copied (the bucket
-        holds its last reference) and only the padding is zero-filled, so the rows' pages are
-        touched as the gradients are freed: the peak is about one bucket, not the gradients plus
-        a zeroed copy of them (two)."""
-        width = sum(param.partition_numel() for param, _ in bucket)
-        world_size = bucket[0][0].zs_state.world_size   # the bucket's group: [Note: MoE at stage 3]
-        rows = torch.empty(world_size, width, dtype=self.precision.communication_dtype,
-                           device=bucket[0][1].device)  # type: ignore[union-attr]
-        offset = 0
-        for index, (param, grad) in enumerate(bucket):
-            bucket[index] = (param, None)
-            flat, size = grad.reshape(-1), param.partition_numel()  # type: ignore[union-attr]
-            for rank in range(world_size):
-                start, real = rank_span(flat.numel(), world_size, rank)
-                if real:
-                    rows[rank, offset:offset + real].copy_(flat[start:start + real])
-                if real < size:
-                    rows[rank, offset + real:offset + size].zero_()
-            del grad, flat
-            offset += size
-        return rows
-
-    def _store(self, output: torch.Tensor, params: list[ZeroParameter]) -> None:
-        """A finished reduce-scatter: average, then add each parameter's slice into its partition."""
+    def _store(self, output: torch.Tensor, pieces: list[SlabPiece], in_slab: bool) -> None:
+        """A finished reduce-scatter: average, then add each piece into its parameter's partition.
+        `in_slab`: `output` is a view of a slab buffer, which is refilled once this returns."""
         if self.after != 1.0:
             output.mul_(self.after)
         offset = 0
-        for param in params:
-            size = param.partition_numel()
+        for param, column, numel in pieces:
             slot = self.slots[id(param)]
-            dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset, size)
-            reduced = output.narrow(0, offset, size)
+            dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset + column, numel)
+            reduced = output.narrow(0, offset, numel)
             if not self.on_host(slot.sub_group):
                 dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
             else:   # [Note: offloaded gradients at stage 3]
-                self.sink.add(dest, _for_host_add(reduced, dest.dtype))  # type: ignore[union-attr]
-            offset += size
+                values = _for_host_add(reduced, dest.dtype)
+                if in_slab and values.device.type != "cpu" and values.data_ptr() == reduced.data_ptr():
+                    values = values.clone()   # the sink reads it on its own stream, after the refill
+                self.sink.add(dest, values)  # type: ignore[union-attr]
+            offset += numel
 
     def end_backward(self) -> None:
         """After each backward: the deferred leaf-module gradients join, then `finish`."""
@@ -205,8 +200,8 @@ class Stage3GradientReducer:
         self.finish()
 
     def finish(self) -> None:
-        """Reduce the open bucket, wait for every reduction, land the host copies."""
-        self._flush_bucket()
+        """Reduce the open slab, wait for every reduction, land the host copies."""
+        self._flush_slab()
         self._in_flight.drain()
         if self.sink is not None:
             self.sink.synchronize()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
