@@ -33,6 +33,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.runtime.chunked_step import step_in_chunks
 from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
                                               tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
@@ -227,7 +228,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         for master, grad in zip(masters, grads):
             master.grad = grad if grad.dtype == master.dtype else grad.float()
         scale_([m.grad for m in masters], multiplier)
-        self._device_optimizer.step()  # type: ignore[union-attr]
+        step_in_chunks(self._device_optimizer)  # type: ignore[arg-type]  # [Note: chunked optimizer step]
 
     @torch.no_grad()
     def _publish_masters(self) -> None:

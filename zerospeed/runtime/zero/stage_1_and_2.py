@@ -48,6 +48,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.runtime.chunked_step import step_in_chunks
 from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
                                               tensor_bytes)
 from zerospeed.runtime.config_utils import warn_config
@@ -339,7 +340,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         for group, grad in zip(self.groups, grads):
             group.master.grad = grad if grad.dtype == group.master.dtype else grad.to(group.master.dtype)
         scale_([g.master.grad for g in self.groups], multiplier)
-        self.optimizer.step()
+        step_in_chunks(self.optimizer)   # [Note: chunked optimizer step]
         for group in self.groups:
             group.master.grad = None
         self._publish_params()
