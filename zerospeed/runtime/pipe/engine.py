@@ -26,6 +26,7 @@ from zerospeed.runtime.engine import DeepSpeedEngine
 from zerospeed.runtime.grad_utils import scale_, sum_of_squares
 from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
 from zerospeed.runtime.pipe.executor import StageExecutor
+from zerospeed.runtime.pipe.instructions import PipeInstruction
 from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
 from zerospeed.runtime.pipe.p2p import MessageSizes
 from zerospeed.runtime.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
@@ -70,6 +71,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self._batch_time_s = 0.0
         self.last_batch_seconds: dict[str, float] = {}
         self.last_batch_timeline: list[tuple[str, float, float]] = []
+        self._schedule_steps: dict[tuple[bool, int], list[list[PipeInstruction]]] = {}
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -121,6 +123,14 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         super().set_train_batch_size(train_batch_size)
         self.micro_batches = self.gradient_accumulation_steps()
 
+    def _steps(self, training: bool, micro_batches: int) -> list[list[PipeInstruction]]:
+        """This stage's instruction steps, built once per (training, micro-batches): instructions are
+        frozen data, so every batch replays the same lists instead of regenerating them."""
+        key = (training, micro_batches)
+        if key not in self._schedule_steps:
+            self._schedule_steps[key] = list(self._schedule(training, micro_batches))
+        return self._schedule_steps[key]
+
     def _schedule(self, training: bool, micro_batches: int) -> PipeSchedule:
         chunks = self.module.num_chunks
         if self.schedule_name == "interleaved_1f1b":
@@ -143,7 +153,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         start = time.perf_counter()
         self.monitoring.tput_timer.start()
         executor = StageExecutor(self, self.data_iterator, training=True)
-        executor.run(self._schedule(True, self.micro_batches))
+        executor.run(self._steps(True, self.micro_batches))
         self.last_batch_seconds = executor.seconds   # per instruction type, this stage
         self.last_batch_timeline = executor.timeline
         with torch.no_grad():
@@ -224,7 +234,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         executor = StageExecutor(self, data_iter, training=False, compute_loss=compute_loss)
         comm.barrier()
         with torch.no_grad():
-            executor.run(self._schedule(False, micro_batches))
+            executor.run(self._steps(False, micro_batches))
         output: Any = None
         if self.is_last_stage():
             output = self._reduce_outputs(executor.losses, reduce_output, micro_batches)
