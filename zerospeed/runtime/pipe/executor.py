@@ -26,11 +26,12 @@ import torch
 from zerospeed.runtime.pipe import instructions as ins
 from zerospeed.runtime.pipe import p2p
 
-__all__ = ["StageExecutor"]
+__all__ = ["MAX_PENDING_SENDS", "StageExecutor"]
 
 # Sends in flight per stage before the oldest is waited on: enough that a stage rarely waits for
-# its neighbour, few enough that the tensors they hold stay a handful of activations.
-_MAX_PENDING_SENDS = 16
+# its neighbour, few enough that the tensors they hold stay a handful of activations. The
+# simulator proves every schedule deadlock-free with it and with blocking sends ([Note: send modes]).
+MAX_PENDING_SENDS = 16
 
 
 @dataclasses.dataclass
@@ -160,7 +161,7 @@ class StageExecutor:
     def _send_activation(self, cmd: ins.SendActivation) -> None:
         self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._next_rank, self.engine.device,
                                                 self.engine.activation_bytes_sent))
-        self._wait_sends(_MAX_PENDING_SENDS)
+        self._wait_sends(MAX_PENDING_SENDS)
         if not self.training:
             self._buffer(cmd).outputs = None
 
@@ -171,7 +172,7 @@ class StageExecutor:
     def _send_grad(self, cmd: ins.SendGrad) -> None:
         buffer = self._buffer(cmd)
         self._sends.extend(p2p.send_grads(buffer.inputs, self._prev_rank))
-        self._wait_sends(_MAX_PENDING_SENDS)
+        self._wait_sends(MAX_PENDING_SENDS)
         buffer.inputs = None
 
     def _recv_grad(self, cmd: ins.RecvGrad) -> None:
