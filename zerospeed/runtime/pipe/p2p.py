@@ -5,7 +5,11 @@ first, for interleaved chunks). A blocking send waits until the peer posts its r
 measured, a send to a peer that receives 1 s later takes 1 s), so with blocking sends a stage that
 finished a micro-batch idles until its neighbour is ready, which the schedule's theory does not
 count. The send functions return their pending `Sends`; the executor waits on them later
-(executor.py), keeping the tensors alive until then. DeepSpeed's sends block.
+(executor.py), keeping the tensors alive until then. DeepSpeed's sends block. Both modes are
+proven deadlock-free for every schedule by the simulator ([Note: send modes] in simulator.py);
+blocking sends did not cost measurably less CPU here (gloo's transport thread does the same
+writes either way: the write waits for the receiver's "ready" notice in both; A/B in
+docs/benchmarks.md), so the sends stay non-blocking.
 
 [Note: one message per activation transfer]
 The wire format is ours. An activation transfer is one message, a byte buffer: a fixed int64
