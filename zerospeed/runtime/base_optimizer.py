@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,6 +92,10 @@ class DeepSpeedOptimizer(OptimizerCheckpointing):
     tp_group: Any = None
     """The tensor-parallel group under AutoTP (set by the engine): the overflow flag is agreed and the
     norm summed over it ([Note: tensor-parallel norm] in tensor_parallel/grad_norm.py)."""
+    global_norm_fn: Callable[[StepGradients], float] | None = None
+    """Set by an engine whose norm spans more than this wrapper's gradients (the pipeline engine:
+    every stage, [Note: pipeline gradient norm]): called at the step in place of the wrapper's own
+    norm, with the same gradients the update then uses; returns the still-scaled global norm."""
 
     def _init_base(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler,
                    precision: PrecisionSettings) -> None:
@@ -152,7 +157,8 @@ class DeepSpeedOptimizer(OptimizerCheckpointing):
         if self.overflow:
             self.zero_grad()
             return
-        scaled_norm = self._scaled_global_norm(grads)
+        norm_fn = self.global_norm_fn if self.global_norm_fn is not None else self._scaled_global_norm
+        scaled_norm = norm_fn(grads)
         self._global_grad_norm = scaled_norm / scale
         self._apply_update(grads.tensors, 1.0 / unscale_and_clip_factor(scaled_norm, scale, self.clip_grad))
 

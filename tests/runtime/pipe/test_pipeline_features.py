@@ -177,3 +177,30 @@ def test_progress_line_and_monitor_events(tmp_path):
     assert "Train_Samples_train_loss.csv" in files and "Train_Samples_eval_loss.csv" in files
     # DeepSpeed's progress line ("steps: 1 loss: ...") goes to rank 0's stdout; pooled ranks were
     # spawned before this test's capture began, so it is not asserted here.
+
+
+def _count_step_calls(zero_stage):
+    engine, _ = _engine(mlp_specs(2), 2, mse, {"zero_optimization": {"stage": zero_stage}, "gradient_clipping": 1.0})
+    wrapper, calls = engine.optimizer, {"_step_gradients": 0, "_scaled_global_norm": 0}
+    for name in calls:
+        original = getattr(wrapper, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(*args)
+
+        setattr(wrapper, name, counted)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        batch = (torch.randn(MICRO * GAS, 6, generator=generator), torch.randn(MICRO * GAS, 3, generator=generator))
+        engine.train_batch(micro_batches_of(batch, 0, 1, MICRO, GAS))
+    return calls, engine.get_global_grad_norm(), wrapper.get_global_grad_norm()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_one_gradient_gather_and_one_norm_per_step(zero_stage):
+    """The pipeline-wide norm replaces the wrapper's own (its `global_norm_fn`): per step the wrapper
+    gathers its gradients once and never computes a norm of its own, and both report the same norm."""
+    for calls, engine_norm, wrapper_norm in run_on_ranks(_count_step_calls, 2, zero_stage):
+        assert calls == {"_step_gradients": 2, "_scaled_global_norm": 0}
+        assert engine_norm == wrapper_norm > 0

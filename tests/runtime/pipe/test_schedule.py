@@ -9,8 +9,9 @@ import pytest
 
 from deepspeed_extensions import require_deepspeed
 
+from zerospeed.runtime.pipe.executor import MAX_PENDING_SENDS
 from zerospeed.runtime.pipe.instructions import (BackwardPass, ForwardPass, LoadMicroBatch, RecvActivation,
-                                                 SendActivation)
+                                                 RecvGrad, SendActivation)
 from zerospeed.runtime.pipe.schedule import DataParallelSchedule, InferenceSchedule, TrainSchedule
 from zerospeed.runtime.pipe.schedule_lowering import (GPipeSchedule, Interleaved1F1BSchedule, LoweredSchedule,
                                                       ComputeOp, one_f_one_b_bubble)
@@ -57,6 +58,49 @@ def test_interleaved_1f1b_passes_the_simulator_and_shrinks_the_bubble(stages, mi
         assert theory == pytest.approx(one_f_one_b_bubble(micro_batches, stages))
     simulate([Interleaved1F1BSchedule(micro_batches, stages, s, chunks, training=False) for s in range(stages)],
              training=False)
+
+
+def _train_schedules(kind, stages, micro_batches):
+    if kind == "1f1b":
+        return [TrainSchedule(micro_batches, stages, s) for s in range(stages)]
+    if kind == "gpipe":
+        return [GPipeSchedule(micro_batches, stages, s) for s in range(stages)]
+    return [Interleaved1F1BSchedule(micro_batches, stages, s, 2) for s in range(stages)]
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "interleaved"])
+def test_every_schedule_is_deadlock_free_with_blocking_and_with_the_executors_sends(kind):
+    """[Note: send modes]: S in 2..8, M in S..2S+3 (interleaved: the multiples of S there), each
+    schedule run with blocking sends (a rendezvous) and with the executor's bounded non-blocking ones."""
+    for stages in range(2, 9):
+        for micro_batches in range(stages, 2 * stages + 4):
+            if kind == "interleaved" and micro_batches % stages:
+                continue
+            for pending in (0, MAX_PENDING_SENDS):
+                simulate(_train_schedules(kind, stages, micro_batches), max_pending_sends=pending)
+
+
+def test_send_mode_decides_whether_a_schedule_deadlocks():
+    """Swapping a backward step's receive and send deadlocks blocking sends, not non-blocking ones."""
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([_Swapped(4, 3, s) for s in range(3)], max_pending_sends=0)
+    simulate([_Swapped(4, 3, s) for s in range(3)], max_pending_sends=1)
+
+
+def test_messages_between_two_ranks_match_in_order_whatever_they_carry():
+    """2 ranks, interleaved: activations and gradients share each channel, matched in order (as gloo
+    matches by source and tag); a receive of the wrong kind is a mismatch, not a wait."""
+    class GradFirst(Interleaved1F1BSchedule):
+        def steps(self):
+            steps = [list(step) for step in super().steps()]
+            if self.stage_id == 1:   # receive stage 0's first message as a gradient
+                first = next(i for i, step in enumerate(steps) if any(isinstance(c, RecvActivation) for c in step))
+                steps[first] = [RecvGrad(c.buffer_id, c.micro_batch_id, c.chunk_id) if isinstance(c, RecvActivation)
+                                else c for c in steps[first]]
+            yield from steps
+
+    with pytest.raises(ScheduleError, match="differ"):
+        simulate([GradFirst(2, 2, s, 2) for s in range(2)], max_pending_sends=MAX_PENDING_SENDS)
 
 
 def test_interleaved_refuses_micro_batches_not_multiple_of_stages():

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.base_optimizer import StepGradients
 from zerospeed.runtime.engine import DeepSpeedEngine
 from zerospeed.runtime.grad_utils import scale_, sum_of_squares
 from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
 from zerospeed.runtime.pipe.executor import StageExecutor
+from zerospeed.runtime.pipe.instructions import PipeInstruction
 from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
 from zerospeed.runtime.pipe.p2p import MessageSizes
 from zerospeed.runtime.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
@@ -53,7 +55,8 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self._check_supported(model)
         if self.optimizer is not None:
             self._pipe_clip = float(self.optimizer.clip_grad)
-            self.optimizer.clip_grad = 0.0  # clipping is pipeline-wide, done here before the wrapper steps
+            self.optimizer.clip_grad = 0.0  # clipping is pipeline-wide, done by the norm below
+            self.optimizer.global_norm_fn = self._pipeline_scaled_norm
             # fp16 (and bf16's check_grad_overflow): every stage skips the same steps ([Note: pipeline fp16]).
             self.optimizer.model_parallel_group = self.grid.get_model_parallel_group()
         self.module.tied_comms.start_tracking()
@@ -68,6 +71,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self._batch_time_s = 0.0
         self.last_batch_seconds: dict[str, float] = {}
         self.last_batch_timeline: list[tuple[str, float, float]] = []
+        self._schedule_steps: dict[tuple[bool, int], list[list[PipeInstruction]]] = {}
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -119,6 +123,14 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         super().set_train_batch_size(train_batch_size)
         self.micro_batches = self.gradient_accumulation_steps()
 
+    def _steps(self, training: bool, micro_batches: int) -> list[list[PipeInstruction]]:
+        """This stage's instruction steps, built once per (training, micro-batches): instructions are
+        frozen data, so every batch replays the same lists instead of regenerating them."""
+        key = (training, micro_batches)
+        if key not in self._schedule_steps:
+            self._schedule_steps[key] = list(self._schedule(training, micro_batches))
+        return self._schedule_steps[key]
+
     def _schedule(self, training: bool, micro_batches: int) -> PipeSchedule:
         chunks = self.module.num_chunks
         if self.schedule_name == "interleaved_1f1b":
@@ -141,7 +153,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         start = time.perf_counter()
         self.monitoring.tput_timer.start()
         executor = StageExecutor(self, self.data_iterator, training=True)
-        executor.run(self._schedule(True, self.micro_batches))
+        executor.run(self._steps(True, self.micro_batches))
         self.last_batch_seconds = executor.seconds   # per instruction type, this stage
         self.last_batch_timeline = executor.timeline
         with torch.no_grad():
@@ -154,22 +166,29 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         return self.agg_train_loss
 
     def _pipeline_optimizer_step(self) -> None:
-        """[Note: pipeline gradient norm] Clip by the norm over every stage, then step the wrapper.
+        self.micro_steps += self.micro_batches
+        self.gas_boundary_ctr += 1
+        self._take_model_step(None)
+
+    def _pipeline_scaled_norm(self, step_grads: StepGradients) -> float:
+        """[Note: pipeline gradient norm] The wrapper's norm at its step (`global_norm_fn`): the norm
+        over every stage, clipping in place by it; the wrapper then unscales and steps.
+
+        It runs once per step, after the wrapper's overflow check and only when the step is
+        applied, so the wrapper's own norm pass is skipped and `get_global_grad_norm()` is the
+        pipeline's (the wrapper keeps the last applied one on a skipped step).
 
         [Note: pipeline fp16] The gradients still carry the loss scale: the norm is divided by it and
         the clip multiplier applies to the scaled values (the wrapper then unscales). The wrapper
         decides overflow over its data-parallel group and then over the model-parallel group (all
         stages), so every rank skips the same steps and keeps the same loss scale; a skipped step
         leaves the last applied step's norm ([Note: one step] in base_optimizer.py)."""
-        grads = stage_gradients(self.optimizer)
-        previous = self._global_grad_norm if self._global_grad_norm is not None else 0.0
-        norm = self._pipeline_grad_norm(grads) / float(self.optimizer.cur_scale)
+        grads = stage_gradients(step_grads)
+        scaled = self._pipeline_grad_norm(grads)
+        norm = scaled / float(self.optimizer.cur_scale)
         if math.isfinite(norm) and self._pipe_clip > 0 and norm + 1e-6 > self._pipe_clip:
             scale_(grads.tensors, self._pipe_clip / (norm + 1e-6))
-        self.micro_steps += self.micro_batches
-        self.gas_boundary_ctr += 1
-        self._take_model_step(None)
-        self._global_grad_norm = previous if self.optimizer.overflow else norm
+        return scaled
 
     def _pipeline_grad_norm(self, grads: Any) -> float:
         squares = sum_of_squares(grads.tensors).reshape(1).to(self.device)
@@ -215,7 +234,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         executor = StageExecutor(self, data_iter, training=False, compute_loss=compute_loss)
         comm.barrier()
         with torch.no_grad():
-            executor.run(self._schedule(False, micro_batches))
+            executor.run(self._steps(False, micro_batches))
         output: Any = None
         if self.is_last_stage():
             output = self._reduce_outputs(executor.losses, reduce_output, micro_batches)

@@ -26,11 +26,12 @@ import torch
 from zerospeed.runtime.pipe import instructions as ins
 from zerospeed.runtime.pipe import p2p
 
-__all__ = ["StageExecutor"]
+__all__ = ["MAX_PENDING_SENDS", "StageExecutor"]
 
 # Sends in flight per stage before the oldest is waited on: enough that a stage rarely waits for
-# its neighbour, few enough that the tensors they hold stay a handful of activations.
-_MAX_PENDING_SENDS = 16
+# its neighbour, few enough that the tensors they hold stay a handful of activations. The
+# simulator proves every schedule deadlock-free with it and with blocking sends ([Note: send modes]).
+MAX_PENDING_SENDS = 16
 
 
 @dataclasses.dataclass
@@ -61,22 +62,28 @@ class StageExecutor:
         # benchmarks/bench_pipeline.py turns into each stage's idle fraction within the schedule's span.
         self.timeline: list[tuple[str, float, float]] = []
         self._sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
-        self._handlers: dict[type, Callable[[Any], None]] = {
+        grid = engine.grid
+        self._next_rank = grid.stage_to_global((self.stage_id + 1) % self.num_stages)
+        self._prev_rank = grid.stage_to_global((self.stage_id - 1) % self.num_stages)
+        handlers: dict[type, Callable[[Any], None]] = {
             ins.LoadMicroBatch: self._load, ins.ForwardPass: self._forward, ins.BackwardPass: self._backward,
             ins.SendActivation: self._send_activation, ins.RecvActivation: self._recv_activation,
             ins.SendGrad: self._send_grad, ins.RecvGrad: self._recv_grad,
             ins.ReduceTiedGrads: self._reduce_tied_grads, ins.ReduceGrads: self._reduce_grads,
             ins.OptimizerStep: self._optimizer_step,
         }
+        # Per instruction type, its handler and the name the timeline records (one lookup each).
+        self._dispatch = {kind: (handler, kind.__name__) for kind, handler in handlers.items()}
 
     def run(self, schedule: Any) -> None:
         """Execute every instruction, recording each one's start and end in `timeline`."""
-        clock, record = time.perf_counter, self.timeline.append
+        clock, record, dispatch = time.perf_counter, self.timeline.append, self._dispatch
         for step in schedule:
             for cmd in step:
+                handler, name = dispatch[type(cmd)]
                 start = clock()
-                self._handlers[type(cmd)](cmd)
-                record((type(cmd).__name__, start, clock()))
+                handler(cmd)
+                record((name, start, clock()))
         self._wait_sends(0)   # not on an error: a peer that stopped would never receive
 
     @property
@@ -99,9 +106,6 @@ class StageExecutor:
 
     def _virtual(self, cmd: ins.BufferOpInstruction) -> int:
         return cmd.chunk_id * self.num_stages + self.stage_id
-
-    def _peer(self, offset: int) -> int:
-        return self.engine.grid.stage_to_global((self.stage_id + offset) % self.num_stages)
 
     def _to_device(self, value: Any) -> Any:
         if torch.is_tensor(value):
@@ -155,25 +159,25 @@ class StageExecutor:
         buffer.outputs = buffer.grads = buffer.loss = buffer.labels = None
 
     def _send_activation(self, cmd: ins.SendActivation) -> None:
-        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._peer(+1), self.engine.device,
+        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._next_rank, self.engine.device,
                                                 self.engine.activation_bytes_sent))
-        self._wait_sends(_MAX_PENDING_SENDS)
+        self._wait_sends(MAX_PENDING_SENDS)
         if not self.training:
             self._buffer(cmd).outputs = None
 
     def _recv_activation(self, cmd: ins.RecvActivation) -> None:
-        self._buffer(cmd).inputs = p2p.recv_activations(self._peer(-1), self.engine.device,
+        self._buffer(cmd).inputs = p2p.recv_activations(self._prev_rank, self.engine.device,
                                                         self.engine.activation_bytes_received)
 
     def _send_grad(self, cmd: ins.SendGrad) -> None:
         buffer = self._buffer(cmd)
-        self._sends.extend(p2p.send_grads(buffer.inputs, self._peer(-1)))
-        self._wait_sends(_MAX_PENDING_SENDS)
+        self._sends.extend(p2p.send_grads(buffer.inputs, self._prev_rank))
+        self._wait_sends(MAX_PENDING_SENDS)
         buffer.inputs = None
 
     def _recv_grad(self, cmd: ins.RecvGrad) -> None:
         buffer = self._buffer(cmd)
-        buffer.grads = p2p.recv_grads(buffer.outputs, self._peer(+1))
+        buffer.grads = p2p.recv_grads(buffer.outputs, self._next_rank)
 
     def _reduce_tied_grads(self, cmd: ins.ReduceTiedGrads) -> None:
         wrapper = self.engine.optimizer

@@ -5,7 +5,11 @@ first, for interleaved chunks). A blocking send waits until the peer posts its r
 measured, a send to a peer that receives 1 s later takes 1 s), so with blocking sends a stage that
 finished a micro-batch idles until its neighbour is ready, which the schedule's theory does not
 count. The send functions return their pending `Sends`; the executor waits on them later
-(executor.py), keeping the tensors alive until then. DeepSpeed's sends block.
+(executor.py), keeping the tensors alive until then. DeepSpeed's sends block. Both modes are
+proven deadlock-free for every schedule by the simulator ([Note: send modes] in simulator.py);
+blocking sends did not cost measurably less CPU here (gloo's transport thread does the same
+writes either way: the write waits for the receiver's "ready" notice in both; A/B in
+docs/benchmarks.md), so the sends stay non-blocking.
 
 [Note: one message per activation transfer]
 The wire format is ours. An activation transfer is one message, a byte buffer: a fixed int64
@@ -32,6 +36,7 @@ the receiving stage sent the activations and knows which of them require grad an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -59,16 +64,29 @@ def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
-def _header(tensors: tuple[torch.Tensor, ...], is_tuple: bool) -> torch.Tensor:
-    fields = [len(tensors) if is_tuple else -1]
-    for tensor in tensors:
-        if tensor.dtype not in _CODE:
-            raise TypeError(f"cannot send a {tensor.dtype} activation between pipeline stages")
-        fields += [_CODE[tensor.dtype], int(tensor.requires_grad), tensor.dim(), *tensor.shape]
+def _header(tensors: tuple[torch.Tensor, ...], is_tuple: bool) -> tuple[torch.Tensor, list[_Slot], int]:
+    """The header of `tensors`, with the layout it describes."""
+    signature = tuple((t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors)
+    return _header_of(signature, is_tuple)
+
+
+@functools.lru_cache(maxsize=64)
+def _header_of(signature: tuple[tuple[torch.dtype, bool, tuple[int, ...]], ...],
+               is_tuple: bool) -> tuple[torch.Tensor, list[_Slot], int]:
+    """Cached per signature: a stage sends the same shapes on every micro-batch, and building the
+    header tensor costs more than the message copy (measured: 30 us against 21 us for 128 KiB).
+    Callers only read the returned tensor and list."""
+    fields = [len(signature) if is_tuple else -1]
+    for dtype, requires_grad, shape in signature:
+        if dtype not in _CODE:
+            raise TypeError(f"cannot send a {dtype} activation between pipeline stages")
+        fields += [_CODE[dtype], int(requires_grad), len(shape), *shape]
     if len(fields) > HEADER_NUMEL:
         raise ValueError(f"activation metadata needs {len(fields)} > {HEADER_NUMEL} header fields: "
                          "too many tensors or dimensions cross this stage boundary")
-    return torch.tensor(fields + [0] * (HEADER_NUMEL - len(fields)), dtype=torch.int64)
+    fields += [0] * (HEADER_NUMEL - len(fields))
+    _, slots, message_bytes = _layout(fields)
+    return torch.tensor(fields, dtype=torch.int64), slots, message_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +131,7 @@ def send_activations(value: Any, dst: int, device: torch.device, sizes: MessageS
     """Send `value` to `dst` as one message ([Note: one message per activation transfer]); `sizes`
     is this stage's record of what it sent each peer, updated."""
     tensors = _as_tuple(value)
-    header = _header(tensors, isinstance(value, tuple))
-    _, slots, message_bytes = _layout(header.tolist())
+    header, slots, message_bytes = _header(tensors, isinstance(value, tuple))
     sends = []
     expected = sizes.get(dst, _HEADER_BYTES)
     if message_bytes != expected:
