@@ -15,7 +15,8 @@ of an in-place all-reduce of the same bytes. So a caller that owns a buffer it m
 in-place forms here, which on other backends are the native collectives:
 * a reduce-scatter into this rank's own slice of the input (`reduce_scatter_rows_`) is, on gloo, the
   all-reduce alone (the same algorithm on the same data: the same sums, bit for bit);
-* `all_gather_in_place` is one bitwise-OR all-reduce of a buffer zero outside this rank's pieces;
+* `all_gather_in_place` is one bitwise-OR (on NCCL integer-sum) all-reduce of a buffer zero outside
+  this rank's pieces;
 * `all_gather_rows_in_place` gathers in column chunks, so gloo's staging holds one chunk.
 """
 
@@ -256,7 +257,8 @@ def reduce_scatter_fn(output: torch.Tensor, input: torch.Tensor, op: Any = Reduc
 
 
 def prefers_in_place(group: Any = None) -> bool:
-    """Whether `group`'s collectives should be the in-place all-reduce forms ([Note: gloo temporaries])."""
+    """Whether `group`'s collectives are cheaper as the in-place all-reduce forms ([Note: gloo
+    temporaries]). Only a cost choice: the in-place forms are correct on every backend."""
     return dist.get_backend(group) == "gloo"
 
 
@@ -268,15 +270,27 @@ def reduce_scatter_rows_(rows: torch.Tensor, group: Any = None, async_op: bool =
     return reduce_scatter_tensor(mine, rows.view(-1), group=group, async_op=async_op), mine
 
 
+# backends with a bitwise-OR reduction (NCCL has none)
+_BACKENDS_WITH_BITWISE_OR = frozenset({"gloo", "mpi"})
+
+
+def in_place_gather_op(backend: str) -> Any:
+    """The reduction `all_gather_in_place` all-reduces with: bitwise OR where the backend has it, else
+    an integer sum, which is as exact, as each element has one non-zero summand."""
+    return ReduceOp.BOR if backend in _BACKENDS_WITH_BITWISE_OR else ReduceOp.SUM
+
+
 @logged("all_gather_in_place", lambda flat, *a, **k: flat)
 def all_gather_in_place(flat: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
     """Each rank has written its own pieces of `flat` and zeros everywhere else; afterwards every rank
-    holds every piece. One bitwise-OR all-reduce of `flat`'s integer view, so the bits are exact
-    (-0.0 and NaN included), where a sum would turn -0.0 into 0.0. `flat`: contiguous, 1-D."""
+    holds every piece. One all-reduce of `flat`'s integer view (`in_place_gather_op`: bitwise OR, or
+    integer sum on NCCL), so the bits are exact (-0.0 and NaN included), where a float sum would turn
+    -0.0 into 0.0. `flat`: contiguous, 1-D, on any backend."""
     bits = flat.view(torch.uint8)
     if bits.numel() % 4 == 0:
         bits = bits.view(torch.int32)
-    return dist.all_reduce(bits, op=ReduceOp.BOR, group=group, async_op=async_op)
+    op = in_place_gather_op(dist.get_backend(group))
+    return dist.all_reduce(bits, op=op, group=group, async_op=async_op)
 
 
 @logged("all_to_all_single", lambda output, input, *a, **k: input)
