@@ -29,6 +29,7 @@ import os
 import resource
 import sys
 import tempfile
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -46,27 +47,33 @@ def _model(hidden: int, layers: int):
     return LlamaForCausalLM(config)
 
 
-def _worker(rank: int, world: int, init_file: str, length: int, hidden: int, layers: int, out: dict) -> None:
+def _sp_engine(rank: int, world: int, init_file: str, hidden: int, layers: int) -> tuple[Any, Any, Any]:
+    """This rank's engine for `_model`, Ulysses over all ranks: (engine, model, sequence-parallel group)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), ZS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     import zerospeed
-    from zerospeed.comm import comms_logger
     from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    from zerospeed.sequence.loss import sequence_parallel_cross_entropy
 
     model = _model(hidden, layers)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1) if world > 1 else None
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    return engine, model, mpu.get_sequence_parallel_group() if mpu else torch.distributed.group.WORLD
+
+
+def _worker(rank: int, world: int, init_file: str, length: int, hidden: int, layers: int, out: dict) -> None:
+    engine, _, group = _sp_engine(rank, world, init_file, hidden, layers)
+    from zerospeed.comm import comms_logger
+    from zerospeed.sequence.loss import sequence_parallel_cross_entropy
+
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
     labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
     chunk = slice(rank * length // world, (rank + 1) * length // world)
     comms_logger.configure(enabled=True, prof_all=True)
     comms_logger.reset()
     logits = engine(input_ids=ids[:, chunk], position_ids=torch.arange(length)[None, chunk]).logits
-    group = mpu.get_sequence_parallel_group() if mpu else torch.distributed.group.WORLD
     loss = sequence_parallel_cross_entropy(logits, labels[:, chunk], group)
     engine.backward(loss)
     engine.step()

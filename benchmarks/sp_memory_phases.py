@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sequence_parallel import VOCAB, _model  # noqa: E402
+from bench_sequence_parallel import VOCAB, _sp_engine  # noqa: E402
 
 MIB = 1 << 20
 
@@ -107,20 +107,10 @@ def attribute(prof: Any, top: int) -> dict:
 
 def _worker(rank: int, world: int, init_file: str, length: int, hidden: int, layers: int, top: int, out: dict,
             profile: bool) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), ZS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    import zerospeed
-    from zerospeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    engine, model, group = _sp_engine(rank, world, init_file, hidden, layers)
     from zerospeed.sequence.loss import sequence_parallel_cross_entropy
 
-    model = _model(hidden, layers)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1) if world > 1 else None
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
     _label_modules(model)
-    group = mpu.get_sequence_parallel_group() if mpu else torch.distributed.group.WORLD
     rss: dict[str, tuple[float, float]] = {}   # phase -> (RSS now, peak RSS so far) after it, MiB
 
     def phase(name: str) -> Any:

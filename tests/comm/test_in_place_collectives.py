@@ -8,20 +8,36 @@ from distributed import run_on_ranks
 from zerospeed import comm
 
 
-def _gather_bits(dtype, numel):
+def _gather_bits(dtype, numel, bitwise_or):
+    from zerospeed.comm import comm as comm_module
+
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     pieces = [torch.tensor([-0.0, float("nan"), 1.5, -2.25, 3e-40])[:numel].to(dtype) * (r + 1)
               for r in range(world_size)]
     flat = torch.zeros(world_size * numel, dtype=dtype)
     flat[rank * numel:(rank + 1) * numel] = pieces[rank]
-    comm.all_gather_in_place(flat)
+    backends = comm_module._BACKENDS_WITH_BITWISE_OR
+    if not bitwise_or:   # NCCL's path (no bitwise OR) on gloo
+        comm_module._BACKENDS_WITH_BITWISE_OR = frozenset()
+    try:
+        comm.all_gather_in_place(flat)
+    finally:
+        comm_module._BACKENDS_WITH_BITWISE_OR = backends
     return flat.view(torch.uint8), torch.cat(pieces).view(torch.uint8)
 
 
+@pytest.mark.parametrize("bitwise_or", [True, False])
 @pytest.mark.parametrize("dtype,numel", [(torch.float32, 5), (torch.bfloat16, 3), (torch.float16, 5)])
-def test_all_gather_in_place_keeps_every_bit(dtype, numel):
-    for gathered, expected in run_on_ranks(_gather_bits, 2, dtype, numel):
+def test_all_gather_in_place_keeps_every_bit(dtype, numel, bitwise_or):
+    for gathered, expected in run_on_ranks(_gather_bits, 2, dtype, numel, bitwise_or):
         assert torch.equal(gathered, expected)
+
+
+def test_in_place_gather_needs_no_bitwise_or_on_nccl():
+    from zerospeed.comm.comm import in_place_gather_op
+
+    assert in_place_gather_op("nccl") == torch.distributed.ReduceOp.SUM
+    assert in_place_gather_op("gloo") == torch.distributed.ReduceOp.BOR
 
 
 def _rows():

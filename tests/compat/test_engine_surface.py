@@ -30,7 +30,7 @@ def results(tmp_path_factory):
 # non-finite weights without it, in both. model_persistence: the same parameters kept whole under
 # each stage3_model_persistence_threshold. (load_from_fp32_weights: test_config_keys_compat.py.)
 SAME = ["batch_sizes", "accumulation_boundary", "step_lr_kwargs", "data_loader", "load_strictness",
-        "frozen_and_16bit", "bf16_overflow_check", "model_persistence"]
+        "frozen_and_16bit", "bf16_overflow_check", "model_persistence", "client_optimizer_name"]
 
 
 @pytest.mark.parametrize("check", SAME)

@@ -94,6 +94,13 @@ def test_stage1_checkpoint_of_2_ranks_loads_on_4_ranks(tmp_path: object) -> None
     _check(saving, run_on_ranks(_load, 4, str(tmp_path), [(2, 1), (4, 2)]), "2 ranks ep 2 -> 4 ranks")
 
 
+def test_stage2_checkpoint_loads_at_stage0_and_stage1_at_the_same_sizes(tmp_path: object) -> None:
+    """Saved at stage 2 on 2 ranks with ep 2; loaded on the same ranks and sizes at stage 0 (replicated state,
+    whose own files are per expert-parallel rank) and at stage 1."""
+    saving = run_on_ranks(_save_then_load, 2, str(tmp_path), 2, 2, [(2, 0), (2, 1)])
+    _check(saving, [result["loaded"] for result in saving], "stage 2 -> stages 0 and 1")
+
+
 def _mixed_ep_at_other_sizes(save_dir: str) -> str:
     """A stage-2 checkpoint of layers at ep 2 and ep 4, loaded with both at ep 4: refused, naming the way out."""
     from test_moe_mixed_ep import MixedEpModel

@@ -5,13 +5,19 @@ Every collective the runtime issues goes through a function here, so a test (or 
 lacks a native op the function falls back to an equivalent built from ops it has; the fallback is
 chosen per backend once, by trying the native op.
 
-[Note: gloo staging] torch's gloo backend runs a reduce-scatter as an all-reduce of a clone of
-the whole input, then copies this rank's slice out, and an all-gather through a staging buffer
-as large as the whole output, then copies each rank's slice in (ProcessGroupGloo.cpp; measured:
-each adds its full size to the peak RSS, where an in-place all-reduce adds nothing). The
-in-place forms here avoid that on gloo: a reduce-scatter into this rank's own slice of the input
-is the all-reduce alone (the same algorithm on the same data: the same sums, bit for bit), and
-`all_gather_rows_in_place` gathers in column chunks, so the staging holds one chunk.
+[Note: gloo temporaries] torch's gloo backend runs a reduce-scatter as an all-reduce of a fresh
+clone of the whole input, then copies this rank's slice out, and an all-gather through a fresh
+staging buffer as large as the whole output, then copies each rank's slice in (ProcessGroupGloo.cpp).
+Each adds its full size to the peak RSS and, on a CPU, first-touch page faults on every call
+(thousands per step, on some steps and not others: jitter), where an in-place all-reduce allocates
+nothing. Measured on 2 ranks x 28 MB: the reduce-scatter takes 3x and the all-gather 1.3x the time
+of an in-place all-reduce of the same bytes. So a caller that owns a buffer it may overwrite uses the
+in-place forms here, which on other backends are the native collectives:
+* a reduce-scatter into this rank's own slice of the input (`reduce_scatter_rows_`) is, on gloo, the
+  all-reduce alone (the same algorithm on the same data: the same sums, bit for bit);
+* `all_gather_in_place` is one bitwise-OR (on NCCL integer-sum) all-reduce of a buffer zero outside
+  this rank's pieces;
+* `all_gather_rows_in_place` gathers in column chunks, so gloo's staging holds one chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ _DEFAULT_TIMEOUT_MIN = 10
 _all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _backends_without_reduce_scatter: set[str] = set()
-# [Note: gloo staging] elements of the all-gather staging buffer `all_gather_rows_in_place` allows on gloo
+# [Note: gloo temporaries] elements of the all-gather staging buffer `all_gather_rows_in_place` allows on gloo
 GLOO_ALL_GATHER_CHUNK_NUMEL = 1 << 22
 
 
@@ -195,7 +201,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
 def all_gather_rows_in_place(rows: torch.Tensor, group: Any = None) -> None:
     """`rows` ([world size, n], each row contiguous): every rank's row r of its own `rows` holds
     rank r's shard; afterwards every rank holds all rows. Synchronous. Logged as the equivalent
-    all_gather_into_tensor. On gloo in column chunks ([Note: gloo staging])."""
+    all_gather_into_tensor. On gloo in column chunks ([Note: gloo temporaries])."""
     rank = dist.get_rank(group)
     if dist.get_backend(group) != "gloo" and rows.is_contiguous():
         _all_gather_native(rows.view(-1), rows[rank], group=group)
@@ -220,7 +226,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     """
     backend = dist.get_backend(group)
     if backend == "gloo" and _is_own_slice(output, input, dist.get_rank(group)):
-        return dist.all_reduce(input, op=op, group=group, async_op=async_op)  # [Note: gloo staging]
+        return dist.all_reduce(input, op=op, group=group, async_op=async_op)  # [Note: gloo temporaries]
     if backend not in _backends_without_reduce_scatter:
         try:
             return _reduce_scatter_native(output, input, op=op, group=group, async_op=async_op)
@@ -250,39 +256,41 @@ def reduce_scatter_fn(output: torch.Tensor, input: torch.Tensor, op: Any = Reduc
     return reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
-# [Note: gloo temporaries]
-# gloo's `reduce_scatter_tensor` all-reduces a fresh clone of its input and its
-# `all_gather_into_tensor` gathers into a fresh flat tensor and copies out: a full-size temporary
-# per call, on a CPU first-touch page faults on every call (thousands per step, on some steps and
-# not others: jitter). Measured on 2 ranks x 28 MB: the reduce-scatter takes 3x and the all-gather
-# 1.3x the time of an in-place all-reduce of the same bytes, which allocates nothing. A caller that
-# owns a buffer it may overwrite uses the in-place forms below; on other backends they are the
-# native collectives.
-
 def prefers_in_place(group: Any = None) -> bool:
-    """Whether `group`'s collectives should be the in-place all-reduce forms ([Note: gloo temporaries])."""
+    """Whether `group`'s collectives are cheaper as the in-place all-reduce forms ([Note: gloo
+    temporaries]). Only a cost choice: the in-place forms are correct on every backend."""
     return dist.get_backend(group) == "gloo"
 
 
 def reduce_scatter_rows_(rows: torch.Tensor, group: Any = None, async_op: bool = False) -> tuple[Any, torch.Tensor]:
-    """Sum `rows` (`[world_size, n]`, contiguous) over the group: (work, this rank's row of the sum).
-    `rows` may be overwritten: with gloo it is all-reduced in place and the row is a view of it."""
-    if prefers_in_place(group):
-        work = all_reduce(rows, group=group, async_op=async_op)
-        return work, rows[dist.get_rank(group)]
-    output = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
-    return reduce_scatter_tensor(output, rows.view(-1), group=group, async_op=async_op), output
+    """Sum `rows` (`[world_size, n]`, contiguous) over the group: (work, this rank's row of the sum, a
+    view of `rows`). `rows` may be overwritten: the reduce-scatter is in place, into this rank's row
+    (on gloo the all-reduce alone, [Note: gloo temporaries])."""
+    mine = rows[dist.get_rank(group)]
+    return reduce_scatter_tensor(mine, rows.view(-1), group=group, async_op=async_op), mine
+
+
+# backends with a bitwise-OR reduction (NCCL has none)
+_BACKENDS_WITH_BITWISE_OR = frozenset({"gloo", "mpi"})
+
+
+def in_place_gather_op(backend: str) -> Any:
+    """The reduction `all_gather_in_place` all-reduces with: bitwise OR where the backend has it, else
+    an integer sum, which is as exact, as each element has one non-zero summand."""
+    return ReduceOp.BOR if backend in _BACKENDS_WITH_BITWISE_OR else ReduceOp.SUM
 
 
 @logged("all_gather_in_place", lambda flat, *a, **k: flat)
 def all_gather_in_place(flat: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
     """Each rank has written its own pieces of `flat` and zeros everywhere else; afterwards every rank
-    holds every piece. One bitwise-OR all-reduce of `flat`'s integer view, so the bits are exact
-    (-0.0 and NaN included), where a sum would turn -0.0 into 0.0. `flat`: contiguous, 1-D."""
+    holds every piece. One all-reduce of `flat`'s integer view (`in_place_gather_op`: bitwise OR, or
+    integer sum on NCCL), so the bits are exact (-0.0 and NaN included), where a float sum would turn
+    -0.0 into 0.0. `flat`: contiguous, 1-D, on any backend."""
     bits = flat.view(torch.uint8)
     if bits.numel() % 4 == 0:
         bits = bits.view(torch.int32)
-    return dist.all_reduce(bits, op=ReduceOp.BOR, group=group, async_op=async_op)
+    op = in_place_gather_op(dist.get_backend(group))
+    return dist.all_reduce(bits, op=op, group=group, async_op=async_op)
 
 
 @logged("all_to_all_single", lambda output, input, *a, **k: input)

@@ -64,6 +64,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         self._init_module(model)
         self.training_dataloader = self._init_dataloader(training_data, collate_fn)
         self.optimizer: Any = None
+        self.client_optimizer = optimizer   # DeepSpeed's attribute: the optimizer or callable as given
         self.basic_optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         if optimizer is not None or self._config.optimizer_name is not None:

@@ -37,6 +37,7 @@ class EngineAccessors:
     _config: Any
     optimizer: Any
     basic_optimizer: Any
+    client_optimizer: Any
 
     # --- batch sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -109,10 +110,11 @@ class EngineAccessors:
         return self._config.zero_force_ds_cpu_optimizer
 
     def optimizer_name(self) -> str | None:
-        """The config's optimizer type, else the class of the client's optimizer (DeepSpeed's order)."""
-        if self._config.optimizer_name is not None:
-            return self._config.optimizer_name
-        return type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else None
+        """DeepSpeed's: the class name of the client's `optimizer=` as given (so "function" for a callable
+        that builds one), else the config's optimizer type."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        return self._config.optimizer_name
 
     def optimizer_params(self) -> dict[str, Any] | None:
         return self._config.optimizer_params

@@ -158,7 +158,11 @@ class EngineCheckpointing:
                 ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
                 return
             if moe_checkpoint.loads_moe_optimizer_files(ctx):
-                moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, load_file)
+                if saved.zero_stage == 0:
+                    moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, load_file)
+                else:   # stage 1/2 at stage 0: no expp_rank_* files, the partitions through the full state
+                    full = export_full_state(saved, model_state)
+                    ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
                 return
         if load_optimizer_states and tp_checkpoint.saved_tp_size(model_state) != ctx.mp_world_size:
             # [Note: AutoTP optimizer resharding]

@@ -286,9 +286,30 @@ def config_accessors(ds, ctx) -> dict:
     return out
 
 
+def client_optimizer_name(ds, ctx) -> dict:
+    """optimizer_name() with the client's `optimizer=`: an instance, a function that builds one (alone and
+    beside a config optimizer); and the config's alone."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    out = {}
+    for name, client, in_config in (("instance", "instance", False), ("callable", adamw, False),
+                                    ("callable_and_config", adamw, True), ("config", None, True)):
+        torch.manual_seed(0)
+        model = kit.Net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2) if client == "instance" else client
+        ds_config = kit.config({"stage": 0})
+        if not in_config:
+            del ds_config["optimizer"]
+        engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                   config=ds_config)
+        out[name] = engine.optimizer_name()
+    return out
+
+
 CHECKS = [batch_sizes, accumulation_boundary, backward_options, step_lr_kwargs, no_sync, data_loader,
           checkpoint_options, load_strictness, frozen_and_16bit, tag_validation, bf16_overflow_check,
-          model_persistence, config_accessors]
+          model_persistence, config_accessors, client_optimizer_name]
 
 
 def main(ds, ctx) -> dict:

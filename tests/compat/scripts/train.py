@@ -14,7 +14,10 @@ loading, and at the end).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from seeded_batch import seeded_batch
 
 IN, HIDDEN, OUT, MICRO = 8, 16, 4, 2
 PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}}
@@ -54,12 +57,7 @@ def config(case: dict, world_size: int) -> dict:
     return cfg
 
 
-def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(MICRO * world_size, IN, generator=generator)
-    y = torch.randn(MICRO * world_size, OUT, generator=generator)
-    rows = slice(rank * MICRO, (rank + 1) * MICRO)
-    return x[rows], y[rows]
+batch = functools.partial(seeded_batch, micro=MICRO, in_features=IN, out_features=OUT)   # (step, rank, world_size)
 
 
 def full_params(ds, ctx, engine) -> dict:

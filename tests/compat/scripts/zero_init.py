@@ -9,9 +9,11 @@ one of them between steps. Every number is reported so the test can compare both
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
+from seeded_batch import seeded_batch
 
 IN, HIDDEN, OUT, MICRO = 8, 16, 4, 2
 
@@ -57,12 +59,7 @@ def write_inside_gathered(ds, ctx, model, modifier_rank) -> dict:
     return {"after": full(ds, ctx, model), "status": describe(model)}
 
 
-def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(MICRO * world_size, IN, generator=generator)
-    y = torch.randn(MICRO * world_size, OUT, generator=generator)
-    rows = slice(rank * MICRO, (rank + 1) * MICRO)
-    return x[rows], y[rows]
+batch = functools.partial(seeded_batch, micro=MICRO, in_features=IN, out_features=OUT)   # (step, rank, world_size)
 
 
 def step(engine, ctx, index: int) -> float:

@@ -2,40 +2,20 @@
 attention at ZeRO 0-3 equals full-sequence training in one process (losses, gradient norm and
 parameters, fp32, SGD so that a gradient off by the sp size shows), on sp 2 and on sp 2 x dp 2."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from distributed import run_on_ranks
+from ulysses_lm import UlyssesLM
 from zerospeed import comm
 
 VOCAB, HIDDEN, HEADS, SEQ, MICRO, STEPS, LR = 16, 8, 2, 8, 2, 3, 0.5
 
 
-class TinyAttentionLM(torch.nn.Module):
-    """Embedding -> causal self-attention (Ulysses when given a group) -> head; no positions needed."""
-
-    def __init__(self, sp_group=None):
-        super().__init__()
-        from zerospeed.sequence.layer import DistributedAttention
-
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.head = torch.nn.Linear(HIDDEN, VOCAB)
-        local = self._sdpa
-        self.attention = local if sp_group is None else DistributedAttention(local, sp_group)
-
-    @staticmethod
-    def _sdpa(q, k, v, *unused):  # [b, s, h, d]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return out.transpose(1, 2)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        q, k, v = self.qkv(x).view(*tokens.shape, 3, HEADS, HIDDEN // HEADS).unbind(2)
-        ctx = self.attention(q, k, v, 0)  # batch_dim_idx 0: [b, s, h, d]
-        return self.head(x + self.out(ctx.reshape(*tokens.shape, HIDDEN)))
+TinyAttentionLM = functools.partial(UlyssesLM, VOCAB, HIDDEN, HEADS)   # (sp_group=None): Ulysses given one
 
 
 def _batches(dp_size):

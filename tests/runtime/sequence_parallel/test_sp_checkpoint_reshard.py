@@ -8,6 +8,7 @@ the same world size keeps every rank's partition; a world-size change goes throu
 resharding path.
 """
 
+import functools
 import os
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_on_ranks
+from ulysses_lm import UlyssesLM
 from zerospeed import comm
 
 # eps 1e-3: with the default 1e-8 a gradient element near 0 turns fp32 rounding into an lr-sized step.
@@ -22,29 +24,7 @@ VOCAB, HIDDEN, HEADS, SEQ, MICRO, LR, EPS = 16, 16, 4, 8, 2, 1e-2, 1e-3
 SAVE_AT, STEPS = 2, 4
 
 
-class ReshardLM(torch.nn.Module):
-    """Embedding -> causal attention over 4 heads (Ulysses when given a group, so sp 4 fits) -> head."""
-
-    def __init__(self, sp_group=None):
-        super().__init__()
-        from zerospeed.sequence.layer import DistributedAttention
-
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.head = torch.nn.Linear(HIDDEN, VOCAB)
-        self.attention = self._sdpa if sp_group is None else DistributedAttention(self._sdpa, sp_group)
-
-    @staticmethod
-    def _sdpa(q, k, v, *unused):  # [b, s, h, d]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return out.transpose(1, 2)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        q, k, v = self.qkv(x).view(*tokens.shape, 3, HEADS, HIDDEN // HEADS).unbind(2)
-        ctx = self.attention(q, k, v, 0)
-        return self.head(x + self.out(ctx.reshape(*tokens.shape, HIDDEN)))
+ReshardLM = functools.partial(UlyssesLM, VOCAB, HIDDEN, HEADS)   # 4 heads, so sp 4 fits
 
 
 def _global_batch(step, dp_size):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from zerospeed import comm
 
-__all__ = ["LinearAllreduce", "LinearLayer", "TPShard", "all_gather_pieces", "copy_to_tensor_parallel_region",
+__all__ = ["LinearAllreduce", "LinearLayer", "SharedInputCopy", "TPShard", "all_gather_pieces", "copy_to_tensor_parallel_region",
            "gather_from_tensor_parallel_region", "reduce_from_tensor_parallel_region", "shard_of"]
 
 
@@ -61,16 +61,19 @@ def all_gather_pieces(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, shared: SharedInputCopy | None) -> torch.Tensor:
         ctx.group = group
+        ctx.shared = None if shared is None else weakref.ref(shared)   # weak: the entry holds this node's output
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _shared_input_copy.clear()   # the forward is over: release the entry's reference
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        shared = None if ctx.shared is None else ctx.shared()
+        if shared is not None:
+            shared.clear()   # the forward is over: release the entry's reference
         grad = grad.contiguous()
         comm.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return grad, None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -97,10 +100,10 @@ class _GatherFromRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _CopyToRegion.apply(x, group)
+    return _CopyToRegion.apply(x, group, None)
 
 
-class _SharedInputCopy:
+class SharedInputCopy:
     """[Note: one all-reduce per shared input]
     Column-parallel layers that read the same tensor (q/k/v of an attention block, gate/up of a
     gated MLP) would each all-reduce their own input gradient in backward; the sum of those
@@ -112,6 +115,7 @@ class _SharedInputCopy:
     input alive) and unmodified (its version counter). The copy itself must be held strongly (its
     Python object does not outlive the layer's forward); it aliases the input's storage, which
     the layer saves for backward anyway, and the entry is dropped when any copy's backward runs.
+    One object per sharded model (`apply_autotp` makes it), shared by its column-parallel layers.
     """
 
     def __init__(self) -> None:
@@ -126,15 +130,12 @@ class _SharedInputCopy:
         if (self._copy is not None and self._input is not None and self._input() is x
                 and x._version == self._version and group is self._group):
             return self._copy
-        self._copy = copy_to_tensor_parallel_region(x, group)
+        self._copy = _CopyToRegion.apply(x, group, self)
         self._input, self._version, self._group = weakref.ref(x), x._version, group
         return self._copy
 
     def clear(self) -> None:
         self._input = self._copy = self._group = None
-
-
-_shared_input_copy = _SharedInputCopy()
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -189,12 +190,14 @@ class _TensorParallelLinear(torch.nn.Module):
 
 
 class LinearLayer(_TensorParallelLinear):
-    """Column-parallel (DeepSpeed's name): output features split, optionally gathered back."""
+    """Column-parallel (DeepSpeed's name): output features split, optionally gathered back. Layers
+    given the same ``shared_input`` reuse one input copy ([Note: one all-reduce per shared input])."""
 
     def __init__(self, module: torch.nn.Module, group: Any, transposed: bool = False, fused_parts: int = 1,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, shared_input: SharedInputCopy | None = None) -> None:
         super().__init__(module, group, transposed)
         self.gather_output = gather_output
+        self.shared_input = shared_input if shared_input is not None else SharedInputCopy()
         out_dim = 1 if transposed else 0
         shard = TPShard(out_dim, fused_parts, self.tp_size, self.tp_rank)
         self.weight = _shard_param(_param(module, "weight"), shard)
@@ -202,7 +205,7 @@ class LinearLayer(_TensorParallelLinear):
         self.bias = None if bias is None else _shard_param(bias, TPShard(0, fused_parts, self.tp_size, self.tp_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(_shared_input_copy(x, self.group))  # [Note: one all-reduce per shared input]
+        out = self._matmul(self.shared_input(x, self.group))  # [Note: one all-reduce per shared input]
         if self.bias is not None:
             out = out + self.bias
         return gather_from_tensor_parallel_region(out, self.group) if self.gather_output else out

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.tensor_parallel.layers import LinearAllreduce, LinearLayer
+from zerospeed.runtime.tensor_parallel.layers import LinearAllreduce, LinearLayer, SharedInputCopy
 from zerospeed.runtime.tensor_parallel.plan import LayerInfo, Partition, Style, build_plan, hf_tp_plan
 
 __all__ = ["apply_autotp", "is_tensor_parallel_param", "linear_layers"]
@@ -56,12 +56,13 @@ def _check_heads(model: torch.nn.Module, tp_size: int) -> None:
                              f"tensor_parallel.autotp_size ({tp_size}); every rank must hold whole heads")
 
 
-def _replacement(module: torch.nn.Module, partition: Partition, group: Any) -> torch.nn.Module:
+def _replacement(module: torch.nn.Module, partition: Partition, group: Any,
+                 shared_input: SharedInputCopy) -> torch.nn.Module:
     transposed = _is_conv1d(module)
     if partition.style is Style.ROW:
         return LinearAllreduce(module, group, transposed=transposed)
     return LinearLayer(module, group, transposed=transposed, fused_parts=partition.fused_parts,
-                       gather_output=partition.gather_output)
+                       gather_output=partition.gather_output, shared_input=shared_input)
 
 
 def _localize_attributes(parent: torch.nn.Module, tp_size: int) -> None:
@@ -78,13 +79,14 @@ def apply_autotp(model: torch.nn.Module, group: Any, partition_config: dict[str,
     layers = linear_layers(model)
     plan = build_plan([info for _, _, info in layers], hf_tp_plan(model), partition_config)
     parents_split: dict[str, torch.nn.Module] = {}
+    shared_input = SharedInputCopy()   # this model's ([Note: one all-reduce per shared input])
     for name, module, _ in layers:
         partition = plan[name]
         if partition.style is Style.SKIP:
             continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, _replacement(module, partition, group))
+        setattr(parent, leaf, _replacement(module, partition, group, shared_input))
         if not partition.gather_output:
             parents_split[parent_name] = parent
     for parent in parents_split.values():

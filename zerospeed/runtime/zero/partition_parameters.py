@@ -128,6 +128,7 @@ def _gather_same_dtype(params: list[ZeroParameter], async_op: bool) -> list[Gath
     for param in params:
         set_status(param, ZeroParamStatus.INFLIGHT)
     # Partitions may live in host memory (offload_param); the gather runs on the compute device.
+    # a cost choice only: the in-place gather is correct on any backend (an all-reduce's bytes on NCCL)
     if comm.prefers_in_place(params[0].zs_state.group):
         return _gather_in_place(params, compute_device(), async_op)
     return [_gather_rank_major(params, compute_device(), async_op)]

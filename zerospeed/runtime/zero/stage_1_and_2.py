@@ -358,7 +358,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             return
         rows = group.lp_flat.view(world_size, part_numel)
         # In place: this rank's row is its shard, no copy of it and no gather buffer beside the flat
-        # one ([Note: gloo staging] in comm/comm.py: on gloo the staging holds one chunk).
+        # one ([Note: gloo temporaries] in comm/comm.py: on gloo the staging holds one chunk).
         for offset, numel in allgather_chunks(part_numel, world_size, self.settings.allgather_bucket_size):
             comm.all_gather_rows_in_place(rows.narrow(1, offset, numel), group=group.process_group)
 
