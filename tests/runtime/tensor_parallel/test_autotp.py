@@ -1,5 +1,6 @@
 """AutoTP training: HF Llama and GPT-2 sharded over 2 (and 2 x 2) gloo ranks equal the unsharded
-model trained in one process (losses, parameters, gradient norm; fp32), and full weights come back.
+model trained in one process (losses, parameters, gradient norm; fp32) at ZeRO stages 0-3, and full
+weights come back.
 
 Each rank also trains the reference itself (a plain torch copy on the whole global batch), so a
 run returns only booleans and the largest differences. The clip threshold is set below the
@@ -38,7 +39,8 @@ def _reference(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[lis
 def _config(stage: int, tp: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": LR}},
-            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+            "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
             "tensor_parallel": {"autotp_size": tp}}
 
 
@@ -139,7 +141,8 @@ def _two_rank_runs(save_dir: str) -> dict:
     return {"backward_all_reduces": _backward_all_reduces(),
             "llama_stage0": _train_parity("llama", 0, 2),
             "llama_stage2": _train_parity("llama", 2, 2, save_dir, params_first=True),
-            "gpt2_stage1": _train_parity("gpt2", 1, 2)}
+            "gpt2_stage1": _train_parity("gpt2", 1, 2),
+            "gpt2_stage3": _train_parity("gpt2", 3, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +151,7 @@ def two_ranks(tmp_path_factory):
     return run_on_ranks(_two_rank_runs, 2, save_dir)
 
 
-@pytest.mark.parametrize("run", ["llama_stage0", "llama_stage2", "gpt2_stage1"])
+@pytest.mark.parametrize("run", ["llama_stage0", "llama_stage2", "gpt2_stage1", "gpt2_stage3"])
 def test_tp2_equals_unsharded_model(two_ranks, run):
     for rank_result in two_ranks:
         result = rank_result[run]
@@ -173,9 +176,17 @@ def test_one_backward_all_reduce_per_shared_input(two_ranks):
 
 
 def _four_rank_run() -> dict:
-    return _train_parity("llama", 1, 2, params_first=True)
+    return {"stage1": _train_parity("llama", 1, 2, params_first=True), "stage3": _train_parity("llama", 3, 2)}
 
 
-def test_tp2_dp2_on_four_ranks():
-    for result in run_on_ranks(_four_rank_run, 4):
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_on_ranks(_four_rank_run, 4)
+
+
+@pytest.mark.parametrize("stage", ["stage1", "stage3"])
+def test_tp2_dp2_on_four_ranks(four_ranks, stage):
+    results = [run[stage] for run in four_ranks]
+    for result in results:
         assert result["loss"] < TOL and result["norm"] < TOL and result["param"] < TOL, result
+    assert results[0]["consolidated"] < TOL and all(r["consolidated"] == 0 for r in results[1:])
