@@ -138,6 +138,7 @@ def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -
     if config.tp_size <= 1:
         return None
     _refuse_unsupported_combinations(config.tp_size, raw_config, mpu)
+    _refuse_zero_init_model(config.tp_size, model)
     if mpu is not None:
         raise ValueError("tensor_parallel.autotp_size > 1 builds its own groups; do not pass an mpu as well")
     world_size = comm.get_world_size()
@@ -165,6 +166,18 @@ def _refuse_unsupported_combinations(tp_size: int, raw_config: dict[str, Any], m
         raise ValueError(f"tensor_parallel.autotp_size={tp_size} together with Ulysses sequence parallelism "
                          f"({given}) is not supported (DeepSpeed 0.19.8 has no combined layout either): "
                          "use one of the two")
+
+
+def _refuse_zero_init_model(tp_size: int, model: torch.nn.Module) -> None:
+    """A model built under `zero.Init` holds partitions only; AutoTP cuts whole weights. DeepSpeed
+    0.19.8 gathers each layer whole before cutting it; zerospeed does not (docs/compatibility.md)."""
+    from zerospeed.runtime.zero.param_state import is_zero_param
+
+    partitioned = [name for name, param in model.named_parameters() if is_zero_param(param)]
+    if partitioned:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} with a model built under zero.Init (parameter "
+                         f"'{partitioned[0]}' is partitioned) is not supported: build the model without "
+                         "zero.Init; ZeRO stage 3 then partitions the tensor-parallel pieces at initialize")
 
 
 def check_engine_supported(zero_stage: int, has_moe_layers: bool) -> None:
