@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Any
 
 import torch
@@ -185,7 +186,8 @@ class EngineCheckpointing:
                 return os.path.join(tag_dir, plain)
         dp_rank = comm.get_rank(self.dp_group)
         mp_rank = self._checkpoint_mp_rank()
-        saved_dp = sum(name.endswith(f"_mp_rank_{mp_rank:02d}_model_states.pt") for name in names)
+        saved_dp = sum(re.fullmatch(rf"zero_pp_rank_\d+_mp_rank_{mp_rank:02d}_model_states\.pt", name) is not None
+                       for name in names)
         wanted = model_states_name(3, dp_rank if dp_rank < saved_dp else 0, mp_rank)
         return os.path.join(tag_dir, wanted)
 
