@@ -1,4 +1,4 @@
-"""AutoTP training against the real DeepSpeed 0.19.8 on CPU: the same script, tp 2 on 2 ranks.
+"""AutoTP training against the real DeepSpeed 0.19.8 on CPU: the same script, tp 2 on 2 ranks, ZeRO 1 and 3.
 
 DeepSpeed 0.19.8's CPU path trains AutoTP (gloo): both libraries must give the same losses,
 gradient norms (clipping binds) and full weights, and name the checkpoint files alike; each loads
@@ -17,10 +17,12 @@ pytestmark = pytest.mark.compat
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "autotp_train.py")
 
 
-def test_autotp_training_matches_deepspeed(tmp_path) -> None:
+@pytest.mark.parametrize("stage", [1, 3])
+def test_autotp_training_matches_deepspeed(tmp_path, stage) -> None:
     from compat_harness import run_both
 
-    runs = run_both(SCRIPT, str(tmp_path), steps=3, stage=1)
+    runs = run_both(SCRIPT, str(tmp_path), steps=3, stage=stage)
+    assert runs["deepspeed"][0]["full"] and runs["zerospeed"][0]["full"], "rank 0 holds the full weights"
     for rank, (theirs, ours) in enumerate(zip(runs["deepspeed"], runs["zerospeed"])):
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(theirs["norms"]), rtol=1e-5, atol=0)
@@ -32,7 +34,7 @@ def test_autotp_training_matches_deepspeed(tmp_path) -> None:
         assert ours["files"] == theirs["files"], f"rank {rank}"
         assert theirs["gpt2_error"] is not None and ours["gpt2_error"] is None
     crossed = {"deepspeed": str(tmp_path / "zerospeed" / "ckpt"), "zerospeed": str(tmp_path / "deepspeed" / "ckpt")}
-    loaded = run_both(SCRIPT, str(tmp_path / "cross"), steps=0, stage=1, load_from=crossed)
+    loaded = run_both(SCRIPT, str(tmp_path / "cross"), steps=0, stage=stage, load_from=crossed)
     for impl, other in (("deepspeed", "zerospeed"), ("zerospeed", "deepspeed")):
         # Each library loads the other's per-tp-rank files and holds exactly the weights it saved.
         assert loaded[impl][0]["loaded"] == runs[other][0]["full"], f"{impl} loading {other}'s checkpoint"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Any
 
 import torch
@@ -175,6 +176,7 @@ class EngineCheckpointing:
         """The saved layout for this tp rank; the module state resharded when the tp size changed
         ([Note: AutoTP checkpoint layout])."""
         saved_tp, current_tp = tp_checkpoint.saved_tp_size(model_state), getattr(self, "mp_world_size", 1)
+        tp_checkpoint.check_tp_reshard(tag_dir, saved_tp, current_tp, self._config.zero_optimization_stage)
         model_state[C.MODULE] = tp_checkpoint.tp_module_state(self.module, tag_dir, model_state, current_tp, load_file)
         mp_rank = self._checkpoint_mp_rank() if saved_tp == current_tp else 0
         return discover(tag_dir, bf16_first=self.bfloat16_enabled(), mp_rank=mp_rank)
@@ -187,7 +189,10 @@ class EngineCheckpointing:
             if plain in names:   # this tp rank's file; mp_rank_00 when the tp size changed
                 return os.path.join(tag_dir, plain)
         dp_rank = comm.get_rank(self.dp_group)
-        wanted = model_states_name(3, dp_rank if dp_rank < len(names) else 0)
+        mp_rank = self._checkpoint_mp_rank()
+        saved_dp = sum(re.fullmatch(rf"zero_pp_rank_\d+_mp_rank_{mp_rank:02d}_model_states\.pt", name) is not None
+                       for name in names)
+        wanted = model_states_name(3, dp_rank if dp_rank < saved_dp else 0, mp_rank)
         return os.path.join(tag_dir, wanted)
 
     def _load_module(self, model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:

@@ -57,6 +57,7 @@ __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_
            "get_optim_files"]
 
 _MANIFEST = "zs_manifest.json"
+_MP_RANK = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt")
 _EXPERT_KEY = ".deepspeed_moe.experts.deepspeed_experts."
 _ALLOW_PICKLE_ENV = "ZEROSPEED_CHECKPOINT_ALLOW_PICKLE"
@@ -586,7 +587,9 @@ def _sources(checkpoint_dir: str, tag: str | None, exclude_frozen_parameters: bo
 def _merge_tp_ranks(tag_dir: str, exclude_frozen: bool, verify: bool, record: dict) -> OrderedDict:
     """An AutoTP checkpoint (zerospeed's, it records `autotp_shards`: name -> [dim, fused parts]):
     each tp rank's files give its pieces; split parameters are joined part by part along `dim`."""
-    tp_size = len(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    # stage 0-2: `mp_rank_XX_model_states.pt`; stage 3: one `zero_pp_rank_D_mp_rank_XX_...` per dp rank
+    tp_size = len({match.group(1) for path in glob.glob(os.path.join(tag_dir, "*mp_rank_*_model_states.pt"))
+                   if (match := _MP_RANK.search(os.path.basename(path)))})
     ranks = [_ZeroCheckpoint(tag_dir, exclude_frozen, verify, mp_rank=r).collect() for r in range(tp_size)]
     merged = OrderedDict(ranks[0])
     for name, (dim, parts) in record.items():

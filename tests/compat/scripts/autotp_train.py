@@ -34,7 +34,8 @@ def _gpt2():
 def _config(stage, tp):
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
-            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+            "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "tensor_parallel": {"autotp_size": tp}}
 
 

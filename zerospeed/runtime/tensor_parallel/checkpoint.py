@@ -9,6 +9,12 @@ each split parameter was cut (``autotp_shards``: name -> [dim, fused parts]), so
 tp size (or without TP) rebuilds the full weights from all ``mp_rank_*`` files and takes its own
 pieces. DeepSpeed needs a universal-checkpoint conversion for that (DS#7320, PR#8474). The optimizer
 state reshards the same way ([Note: AutoTP optimizer resharding] in optimizer_reshard.py).
+
+At ZeRO-3 every rank writes ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt`` (module tensors
+are placeholders, as DeepSpeed's) and its optim file, whose flat partitions hold the weights. Such a
+checkpoint loads at its own tp size (any dp size, through ZeRO-3's own resharding); at another tp
+size, or a stage-0-2 checkpoint at another tp size into a stage-3 run, is refused with the sizes
+(`check_tp_reshard`): `zero_to_fp32` gives the full weights of either, to load into the new run.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from zerospeed.runtime.tensor_parallel.state_dict import shard_state_dict, split_params
 
-__all__ = ["TP_SHARDS_KEY", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
+__all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
            "shard_record", "tp_module_state"]
 
 TP_SHARDS_KEY = "autotp_shards"
@@ -59,6 +65,19 @@ def saved_shard_record(tag_dir: str, model_state: dict[str, Any]) -> dict[str, l
         raise ValueError(f"checkpoint {tag_dir} (tp size {saved_tp}) does not say how its parameters were split "
                          f"('{TP_SHARDS_KEY}'); it loads only at tp size {saved_tp}")
     return record or {}
+
+
+def check_tp_reshard(tag_dir: str, saved_tp: int, current_tp: int, current_stage: int) -> None:
+    """Refuse a tp-size change where ZeRO-3 is on either side ([Note: AutoTP checkpoint layout])."""
+    if saved_tp == current_tp:
+        return
+    saved_stage3 = bool(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")))
+    if saved_stage3 or current_stage >= 3:
+        side = "saved at ZeRO stage 3" if saved_stage3 else f"loaded into a ZeRO stage {current_stage} run"
+        raise ValueError(f"checkpoint {tag_dir} was saved at tensor_parallel.autotp_size {saved_tp} and is "
+                         f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported: "
+                         "load it at its own tp size, or take the full weights with zero_to_fp32 "
+                         "(get_fp32_state_dict_from_zero_checkpoint) and load those")
 
 
 def tp_module_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str, Any], current_tp: int,

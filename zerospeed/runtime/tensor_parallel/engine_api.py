@@ -83,12 +83,21 @@ class EngineTensorParallel:
         DeepSpeed); collective, every rank must call it."""
         if self.tensor_parallel is None:
             return super()._consolidated_16bit_state_dict(exclude_frozen_parameters)  # type: ignore[misc]
-        full = consolidated_state_dict(self.module, self.tensor_parallel.tp_group,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        local = self._tp_rank_state_dict(exclude_frozen_parameters)
+        full = self._full_weights(local) if local is not None else {}
         return full if comm.get_rank() == 0 else {}
 
-    def _full_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with split parameters made whole (unchanged without AutoTP)."""
-        if self.tensor_parallel is None:
+    def _tp_rank_state_dict(self, exclude_frozen_parameters: bool) -> dict[str, Any] | None:
+        """This tp rank's pieces, whole over the data-parallel group. At ZeRO-3 they are gathered
+        over it and land on dp rank 0 only (None elsewhere): the tp group of dp rank 0 then joins
+        them ([Note: AutoTP with ZeRO-3] in setup.py)."""
+        if self.optimizer is None:
+            return self.module.state_dict()
+        return self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
+
+    def _full_weights(self, state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``state_dict`` with split parameters made whole (unchanged without AutoTP). Collective
+        over the tp group; None (a stage-3 rank off dp rank 0, as its tp peers) stays None."""
+        if self.tensor_parallel is None or state_dict is None:
             return state_dict
         return consolidated_state_dict(self.module, self.tensor_parallel.tp_group, state=state_dict)

@@ -10,6 +10,14 @@ merged (the config wins where it speaks; a conflict is an error naming both valu
 2. every rank takes global rank 0's full weights and buffers, and the tp ranks share one torch
    RNG state, so dropout masks on replicated activations agree;
 3. the linear layers are replaced by their tensor-parallel versions (shard.py).
+
+[Note: AutoTP with ZeRO-3]
+ZeRO-3 then partitions the already-cut model over the data-parallel group (the ranks with the same
+tp rank, as DeepSpeed 0.19.8): each tp rank's pieces are its own parameters, partitioned and
+gathered among its dp peers only; replicated parameters are partitioned the same way in every tp
+group. The norm sums each parameter's real partition elements (stage3.py) as [Note:
+tensor-parallel norm] says. Full weights: each tp rank's pieces are gathered over dp onto dp rank
+0, then the tp group of dp rank 0 (global ranks 0..tp-1) joins them (engine_api.py).
 """
 
 from __future__ import annotations
@@ -130,6 +138,7 @@ def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -
     if config.tp_size <= 1:
         return None
     _refuse_unsupported_combinations(config.tp_size, raw_config, mpu)
+    _refuse_zero_init_model(config.tp_size, model)
     if mpu is not None:
         raise ValueError("tensor_parallel.autotp_size > 1 builds its own groups; do not pass an mpu as well")
     world_size = comm.get_world_size()
@@ -148,8 +157,7 @@ def _refuse_unsupported_combinations(tp_size: int, raw_config: dict[str, Any], m
 
     Ulysses sequence parallelism: DeepSpeed 0.19.8 has no data x sequence x tensor grid either (its
     tp mesh and its sp mesh are each built over the whole world, so both would claim the same
-    consecutive ranks; its AutoEP folding names the two mutually exclusive). ZeRO stage 3:
-    DeepSpeed 0.19.8 trains it, zerospeed does not yet (docs/compatibility.md).
+    consecutive ranks; its AutoEP folding names the two mutually exclusive).
     """
     sp_size = raw_config.get("sequence_parallel_size", 1)
     if (isinstance(sp_size, int) and sp_size > 1) or hasattr(mpu, "get_sequence_parallel_group"):
@@ -158,17 +166,21 @@ def _refuse_unsupported_combinations(tp_size: int, raw_config: dict[str, Any], m
         raise ValueError(f"tensor_parallel.autotp_size={tp_size} together with Ulysses sequence parallelism "
                          f"({given}) is not supported (DeepSpeed 0.19.8 has no combined layout either): "
                          "use one of the two")
-    stage = (raw_config.get("zero_optimization") or {}).get("stage", 0)
-    if isinstance(stage, int) and stage >= 3:
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} with zero_optimization.stage={stage} is not "
-                         "supported (DeepSpeed 0.19.8 allows it; zerospeed does not yet): use stage 0, 1 or 2")
+
+
+def _refuse_zero_init_model(tp_size: int, model: torch.nn.Module) -> None:
+    """A model built under `zero.Init` holds partitions only; AutoTP cuts whole weights. DeepSpeed
+    0.19.8 gathers each layer whole before cutting it; zerospeed does not (docs/compatibility.md)."""
+    from zerospeed.runtime.zero.param_state import is_zero_param
+
+    partitioned = [name for name, param in model.named_parameters() if is_zero_param(param)]
+    if partitioned:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} with a model built under zero.Init (parameter "
+                         f"'{partitioned[0]}' is partitioned) is not supported: build the model without "
+                         "zero.Init; ZeRO stage 3 then partitions the tensor-parallel pieces at initialize")
 
 
 def check_engine_supported(zero_stage: int, has_moe_layers: bool) -> None:
-    """AutoTP trains here at ZeRO stages 0-2 (DeepSpeed 0.19.8 also at stage 3), without MoE layers;
-    the same refusals as `_refuse_unsupported_combinations`, on the parsed config."""
-    if zero_stage >= 3:
-        raise ValueError(f"tensor_parallel.autotp_size > 1 with zero_optimization.stage={zero_stage} is not "
-                         "supported (DeepSpeed 0.19.8 allows it; zerospeed does not yet): use stage 0, 1 or 2")
+    """AutoTP trains at every ZeRO stage, without MoE layers."""
     if has_moe_layers:
         raise ValueError("tensor_parallel.autotp_size > 1 with MoE layers is not supported")

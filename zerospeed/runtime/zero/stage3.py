@@ -214,6 +214,18 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.parameter_offload.partition_all_parameters()
         return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
 
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
+        # Each parameter's real partition elements, padding left out ([Note: tensor-parallel norm]);
+        # the dp sum of these pieces is the tp rank's whole gradient.
+        pieces = []
+        for params, grad in zip(self.fp16_groups, grads.tensors):
+            offset = 0
+            for param in params:
+                real = param.zs_state.real_partition_numel
+                pieces.append((grad.narrow(0, offset, real), bool(getattr(param, "tensor_model_parallel", False))))
+                offset += param.partition_numel()
+        return pieces
+
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         self._step_on_device(grads[:self.num_on_device], multiplier)
         if self.offload is not None:
