@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--profile", default=None, help="directory for rank 0's cProfile stats")
     args = parser.parse_args()
+    began = time.perf_counter()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     rows: dict[str, list[Result]] = {}
     for round_index in range(args.rounds):
@@ -201,7 +202,8 @@ def main() -> None:
                 print(f"round {round_index} {spec.label:13s} step {result.step_s:.3f} s  cpu {result.cpu_s:.3f} s  "
                       f"loss {result.final_loss:.6f}", flush=True)
     _table(rows, args.stages)
-    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"{time.perf_counter() - began:.0f} s in all")
 
 
 def _table(rows: dict[str, list[Result]], stages: list[int]) -> None:
