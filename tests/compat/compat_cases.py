@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_SCRIPT = os.path.join(_HERE, "scripts", "train.py")
@@ -17,6 +18,9 @@ ALL_CASES = PRECISION_CASES + OFFLOAD_CASES + BLOCK_CASES + FROZEN_CASES
 
 
 def _load_script(path):
+    # The script imports its neighbours (seeded_batch.py), as it does when the harness runs it.
+    if os.path.dirname(path) not in sys.path:
+        sys.path.append(os.path.dirname(path))
     spec = importlib.util.spec_from_file_location("compat_train_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
