@@ -135,6 +135,19 @@ def _free_port() -> int:
 
 
 def destroy_process_group(group: Any = None) -> None:
+    """Destroy ``group`` (all groups by default), after a barrier on gloo.
+
+    [Note: gloo exit abort] Without the barrier, a gloo job whose engine still holds a group at
+    interpreter exit aborted about one run in ten after all its work was done (``terminate called
+    without an active exception``, SIGABRT; measured: 2 of 20 runs of one stage-0 step on 2
+    ranks, 0 of 20 with the barrier, 0 of 20 with the engine deleted first). The likely cause: a
+    gloo worker thread still releasing the last asynchronous collective's tensors, which needs the
+    GIL, while the interpreter finalizes. A barrier first means every rank's earlier work is done
+    and the workers' last job holds no Python tensors. destroy_process_group is collective anyway
+    (torch's docs: every rank calls it), so the barrier adds no new way to hang.
+    """
+    if is_initialized() and dist.get_backend(group) == "gloo":
+        barrier(group)
     dist.destroy_process_group(group)
 
 

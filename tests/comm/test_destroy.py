@@ -1,0 +1,23 @@
+"""``comm.destroy_process_group`` on gloo waits for every rank first ([Note: gloo exit abort])."""
+
+import torch.distributed as dist
+
+from distributed import run_on_ranks
+from zerospeed import comm
+
+
+def _destroy_a_group():
+    group = dist.new_group(ranks=[0, 1], backend="gloo")
+    comm.configure(enabled=True, prof_all=True)
+    comm.comms_logger.reset()
+    try:
+        comm.destroy_process_group(group)
+        ops = [r.op for r in comm.comms_logger.records]
+    finally:
+        comm.configure(enabled=False)
+    world_still_works = comm.get_world_size() == 2 and comm.is_initialized()
+    return ops, world_still_works
+
+
+def test_destroying_a_gloo_group_runs_a_barrier_over_it_first():
+    assert run_on_ranks(_destroy_a_group, 2) == [(["barrier"], True)] * 2
