@@ -6,7 +6,7 @@ from distributed import run_on_ranks
 from parity import global_batches, make_model, micro_batch
 
 import zerospeed
-from zerospeed.runtime.zero.stage3_slabs import GradientSlabs
+from zerospeed.runtime.zero.stage3_slabs import GradientSlabs, slab_capacity
 
 
 class _Param:
@@ -114,3 +114,12 @@ def test_small_slabs_give_the_one_bucket_result_bit_for_bit(overlap_comm):
         assert len(calls) > 3 * 5 and all(shape[0] == 2 and shape[0] * shape[1] <= 64 for shape, _ in calls)
         assert sum(shape[0] * shape[1] for shape, _ in calls) == 3 * padded   # no padding columns sent
         assert len({storage for _, storage in calls}) == 2   # the same two buffers every step
+
+
+def test_slab_capacity_is_an_eighth_of_the_model_within_its_bounds():
+    cap = 1 << 22
+    assert slab_capacity(500_000_000, cap, 1000) == 1000              # a model smaller than a slab
+    assert slab_capacity(500_000_000, cap, 7_250_000) == 1 << 20      # wide4: an eighth is under 1M
+    assert slab_capacity(500_000_000, cap, 24_000_000) == 3_000_000   # an eighth
+    assert slab_capacity(500_000_000, cap, 49_560_000) == cap         # wide10: the cap
+    assert slab_capacity(200_000, cap, 49_560_000) == 200_000         # reduce_bucket_size rules below

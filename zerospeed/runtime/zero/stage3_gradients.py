@@ -57,7 +57,7 @@ from zerospeed.runtime.zero.grad_buckets import MAX_BUCKET_NUMEL
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.param_state import ZeroParameter
 from zerospeed.runtime.zero.partition_parameters import compute_device
-from zerospeed.runtime.zero.stage3_slabs import GradientSlabs, Slab, SlabPiece
+from zerospeed.runtime.zero.stage3_slabs import GradientSlabs, Slab, SlabPiece, slab_capacity
 
 __all__ = ["GradientSlot", "MAX_OUTSTANDING", "Stage3GradientReducer"]
 
@@ -103,7 +103,7 @@ class Stage3GradientReducer:
         self.before, self.after = averaging_factors(precision, self.world_size)
         # [Note: gradient slabs]: bounded, and no larger than the model
         padded_numel = sum(p.zs_state.padded_numel for p in params)
-        self._slabs = GradientSlabs(max(1, min(reduce_bucket_numel, MAX_BUCKET_NUMEL, padded_numel)),
+        self._slabs = GradientSlabs(slab_capacity(reduce_bucket_numel, MAX_BUCKET_NUMEL, padded_numel),
                                     precision.communication_dtype, compute_device())
         self._slab: Slab | None = None
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)

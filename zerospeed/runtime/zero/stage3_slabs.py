@@ -15,8 +15,12 @@ A slab reduced before it is full (the end of backward, a change of process group
 the other buffer (at most one slab per reduction group per backward), so the collective carries
 exactly the gradients, no padding columns.
 
-Size: `reduce_bucket_size` elements, capped at `MAX_BUCKET_NUMEL` (grad_buckets.py; 16 MiB in
-fp32) and at the model's padded size. Why: with DeepSpeed's default `reduce_bucket_size` (5e8)
+Size (`slab_capacity`): `reduce_bucket_size` elements, capped at `MAX_BUCKET_NUMEL` (grad_buckets.py;
+16 MiB in fp32), at an eighth of the model's padded size but not below `MIN_SLAB_NUMEL` (1M
+elements), and at the model's padded size. The eighth: two 16 MiB slabs on a model whose whole
+gradient is 29 MiB (issue 21's `wide4`) were the stage's margin over FSDP2's peak; 1M-element slabs
+there measured a 34 MiB lower peak and 8% less CPU a step, while on `wide10` (49.6M parameters)
+1M-element slabs cost 6-10% more CPU (four times the collectives), so large models keep 4M. Why: with DeepSpeed's default `reduce_bucket_size` (5e8)
 a per-bucket rows buffer was the whole model, allocated at the end of every backward after every
 full gradient had been held through it, and on a CPU its fresh pages were faulted in one by one
 every step (issue 21, `wide10`: 48k minor faults per step, 189 MiB). Now the buffers' pages are
@@ -35,7 +39,19 @@ import torch
 
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
 
-__all__ = ["GradientSlabs", "Slab", "SlabPiece"]
+__all__ = ["GradientSlabs", "MIN_SLAB_NUMEL", "Slab", "SlabPiece", "slab_capacity"]
+
+# A slab is at least this many elements (unless the model is smaller) ...
+MIN_SLAB_NUMEL = 1 << 20
+# ... and otherwise at most this fraction of the model, so a backward fills several slabs and the
+# reduction of one overlaps the filling of the next.
+SLABS_PER_MODEL = 8
+
+
+def slab_capacity(reduce_bucket_numel: int, max_bucket_numel: int, padded_numel: int) -> int:
+    """Elements per slab ([Note: gradient slabs], "Size")."""
+    share = max(MIN_SLAB_NUMEL, -(-padded_numel // SLABS_PER_MODEL))
+    return max(1, min(reduce_bucket_numel, max_bucket_numel, share, padded_numel))
 
 
 class SlabPiece(NamedTuple):
