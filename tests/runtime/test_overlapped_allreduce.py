@@ -33,7 +33,7 @@ def _reduce_steps(bucket_numel: int):
             reducer.mark_ready(index, grad_of)
         reducer.finish(grad_of)
         results.append(grads)
-        slab_pointers.update(slab.data_ptr() for slab in reducer._slabs if slab is not None)
+        slab_pointers.update(buffer.data_ptr() for buffer in reducer._flat_buffers.allocated())
     return results, len(reducer.buckets), len(slab_pointers)
 
 

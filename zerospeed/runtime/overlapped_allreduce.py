@@ -13,19 +13,17 @@ for the oldest and copies its result into the gradients ([Note: in-flight collec
 comm/in_flight.py). Holding every bucket until `finish()` kept a second copy of all gradients
 alive at the end of backward, the step's peak (issue 21: a model's worth of RSS).
 
-[Note: reused flat buffers]
-With the bound, bucket `b` is flattened into slab `b % MAX_IN_FLIGHT_BUCKETS`, allocated once and
-reused every step: before bucket `b + MAX_IN_FLIGHT_BUCKETS` is flattened, bucket `b` is waited
-for and copied back. A fresh flat tensor per bucket and step was mapped and first-touched anew
-whenever glibc had returned the previous one to the system: on the wide4 GPT (buckets of 4M
-elements then), 28k of the 63k minor page faults of 11 steps, in bursts of 4-17k on some steps
-and none on others: stage 0's step-time jitter (issue 21). On CPU, buckets are now at most 1M
-elements (4 MiB), so the two slabs hold 8 MiB where two 16 MiB buckets were in flight before; measured on
-wide4, peak RSS 582 MiB (was 600; DDP 583) and ~0 faults per step. On wide10 the old buffers'
-frees had, as a side effect, raised glibc's mmap threshold to 16 MiB, so activations were reused
-from the heap; without them its forward faults again (10-40k a step, DDP 11k), as other systems':
-[Note: glibc mmap threshold] in utils/host_allocator.py has the opt-in that settles it. Without the bound (several
-reduction groups, below) every bucket gets a fresh buffer, as before.
+Reused buffers: with the bound, bucket `b` is flattened into buffer `b % MAX_IN_FLIGHT_BUCKETS` of a
+`ReusedBuffers` ([Note: reused flat buffers] in reused_buffers.py): before bucket
+`b + MAX_IN_FLIGHT_BUCKETS` is flattened, bucket `b` is waited for and copied back. On the wide4 GPT
+(buckets of 4M elements then) fresh flat tensors took 28k of the 63k minor page faults of 11 steps.
+On CPU, buckets are now at most 1M elements (4 MiB), so the two buffers hold 8 MiB where two 16 MiB
+buckets were in flight before; measured on wide4, peak RSS 582 MiB (was 600; DDP 583) and ~0
+faults per step. On wide10 the old buffers' frees had, as a side effect, raised glibc's mmap
+threshold to 16 MiB, so activations were reused from the heap; without them its forward faults
+again (10-40k a step, DDP 11k), as other systems': [Note: glibc mmap threshold] in
+utils/host_allocator.py has the opt-in that settles it. Without the bound (several reduction
+groups, below) every bucket gets a fresh buffer, as before.
 With several reduction groups (expert parallelism) the buckets of different groups may launch in
 a different order on different ranks, and an early wait on one group could then block a rank that
 another rank waits for on the other: there every bucket waits for `finish()`, as before.
@@ -50,11 +48,12 @@ from torch._utils import _flatten_dense_tensors
 
 from zerospeed import comm
 from zerospeed.comm.in_flight import InFlightQueue
+from zerospeed.runtime.reused_buffers import ReusedBuffers
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 
 # Buckets are at most this many elements even when `reduce_bucket_size` is larger (DeepSpeed's
 # default 5e8 would make one bucket, i.e. no overlap); DDP's buckets are 25 MiB. On CPU ranks the
-# cap is smaller, so the reused slabs are ([Note: reused flat buffers]); an accelerator keeps
+# cap is smaller, so the reused buffers are ([Note: reused flat buffers]); an accelerator keeps
 # fewer, larger collectives (each NCCL launch has a fixed cost).
 MAX_OVERLAP_BUCKET_NUMEL = 1 << 22
 MAX_OVERLAP_BUCKET_NUMEL_CPU = 1 << 20
@@ -79,11 +78,11 @@ def plan_buckets(numels: list[int], dtypes: list[torch.dtype], bucket_numel: int
     return buckets
 
 
-def _slab_numels(bucket_numels: list[int], num_slabs: int) -> list[int]:
-    """Each slab's size: the largest bucket that cycles through it (bucket b uses slab b % n)."""
-    sizes = [0] * min(num_slabs, len(bucket_numels))
+def _buffer_numels(bucket_numels: list[int], num_buffers: int) -> list[int]:
+    """Each reused buffer's size: the largest bucket that cycles through it (bucket b uses buffer b % n)."""
+    sizes = [0] * min(num_buffers, len(bucket_numels))
     for bucket_index, numel in enumerate(bucket_numels):
-        slot = bucket_index % num_slabs
+        slot = bucket_index % num_buffers
         sizes[slot] = max(sizes[slot], numel)
     return sizes
 
@@ -105,8 +104,8 @@ class OverlappedAllReduce:
         self.before, self.after = averaging_factors(settings, average_world_size or comm.get_world_size(group))
         self._in_flight = InFlightQueue(MAX_IN_FLIGHT_BUCKETS if bound_in_flight else len(self.buckets))
         numels = [sum(params[index].numel() for index in bucket) for bucket in self.buckets]
-        self._slab_numels = _slab_numels(numels, MAX_IN_FLIGHT_BUCKETS) if bound_in_flight else []
-        self._slabs: list[torch.Tensor | None] = [None] * len(self._slab_numels)
+        self._flat_buffers = ReusedBuffers(_buffer_numels(numels, MAX_IN_FLIGHT_BUCKETS) if bound_in_flight else [],
+                                           self.comm_dtype)
         self._reset()
 
     def _reset(self) -> None:
@@ -137,19 +136,15 @@ class OverlappedAllReduce:
         self._in_flight.submit(handle, lambda: self._copy_back(flat, grads))
 
     def _flatten(self, bucket_index: int, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The bucket's gradients in one flat tensor of the communication dtype (a reused slab when
+        """The bucket's gradients in one flat tensor of the communication dtype (a reused buffer when
         in-flight buckets are bounded: [Note: reused flat buffers])."""
-        if not self._slabs:
+        if not len(self._flat_buffers):
             flat = _flatten_dense_tensors(grads)
             return flat.to(self.comm_dtype) if flat.dtype != self.comm_dtype else flat
-        # The slab's previous bucket must be copied back before it is overwritten.
+        # The buffer's previous bucket must be copied back before it is overwritten.
         self._in_flight.reserve(1)
-        slot = bucket_index % len(self._slabs)
-        slab = self._slabs[slot]
-        if slab is None:
-            slab = self._slabs[slot] = torch.empty(self._slab_numels[slot], dtype=self.comm_dtype,
-                                                   device=grads[0].device)
-        flat = slab[:sum(grad.numel() for grad in grads)]
+        buffer = self._flat_buffers.get(bucket_index % len(self._flat_buffers), grads[0].device)
+        flat = buffer[:sum(grad.numel() for grad in grads)]
         offset = 0
         for grad in grads:
             flat[offset:offset + grad.numel()].copy_(grad.reshape(-1))

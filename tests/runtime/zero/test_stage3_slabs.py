@@ -54,16 +54,16 @@ def _fill(slabs, grads, world_size):
 def test_slabs_cut_the_one_bucket_layout_into_column_ranges(world_size):
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=generator) for n in (7, 3, 40, 1, 9)]
-    slabs = GradientSlabs(10, torch.float32)
+    slabs = GradientSlabs(10, torch.float32, max_world_size=world_size)
     reduced = _fill(slabs, grads, world_size)
     assert torch.equal(torch.cat([rows for rows, _ in reduced], dim=1), _reference_rows(grads, world_size))
     assert all(rows.numel() <= max(10, world_size) for rows, _ in reduced)
     columns = [(piece.column, piece.numel) for _, pieces in reduced for piece in pieces]
     assert sum(numel for _, numel in columns) == sum(-(-g.numel() // world_size) for g in grads)
     # a second step fills the same two buffers again: nothing is allocated per step
-    buffers = {b.data_ptr() for b in slabs._buffers}
+    buffers = {b.data_ptr() for b in slabs.allocated()}
     _fill(slabs, grads, world_size)
-    assert {b.data_ptr() for b in slabs._buffers} == buffers and slabs.nbytes() <= 2 * 4 * max(10, world_size)
+    assert {b.data_ptr() for b in slabs.allocated()} == buffers and slabs.nbytes() <= 2 * 4 * max(10, world_size)
 
 
 def _train(cap, overlap_comm):

@@ -104,7 +104,7 @@ class Stage3GradientReducer:
         # [Note: gradient slabs]: bounded, and no larger than the model
         padded_numel = sum(p.zs_state.padded_numel for p in params)
         self._slabs = GradientSlabs(slab_capacity(reduce_bucket_numel, MAX_BUCKET_NUMEL, padded_numel),
-                                    precision.communication_dtype, compute_device())
+                                    precision.communication_dtype, compute_device(), self.world_size)
         self._slab: Slab | None = None
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
         self._deferred: dict[int, torch.Tensor] = {}

@@ -8,7 +8,7 @@ buffer allocated once. A parameter's chunks fill the next free columns of every 
 than what is left is split and continues in the next slab, so every slab but the last of a
 backward is reduced exactly full, and the caller frees the full gradient as soon as it is copied.
 
-Two buffers take turns: one filling while the other's reduction may still be in flight
+Two buffers ([Note: reused flat buffers] in reused_buffers.py) take turns: one filling while the other's reduction may still be in flight
 (`overlap_comm`; the caller keeps at most one in flight, so the buffer it opens next is free).
 A slab reduced before it is full (the end of backward, a change of process group) has its rows
 `width` apart where the reduce-scatter needs them `filled` apart: it is copied, compacted, into
@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from zerospeed.runtime.reused_buffers import ReusedBuffers
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
 
 __all__ = ["GradientSlabs", "MIN_SLAB_NUMEL", "Slab", "SlabPiece", "slab_capacity"]
@@ -96,21 +97,23 @@ class Slab:
 
 
 class GradientSlabs:
-    """The two buffers slabs are opened in ([Note: gradient slabs])."""
+    """The two buffers slabs are opened in ([Note: gradient slabs]), taken from a `ReusedBuffers`."""
 
-    def __init__(self, capacity_numel: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
-        """`device`: allocate both buffers now (see below); None: on the first gradient's device."""
+    def __init__(self, capacity_numel: int, dtype: torch.dtype, device: torch.device | None = None,
+                 max_world_size: int = 1) -> None:
+        """Each buffer holds `capacity_numel` elements, and at least one column of
+        `max_world_size` rows. `device`: allocate both now (see below); None: on the first
+        gradient's device."""
         if capacity_numel < 1:
             raise ValueError(f"slab capacity must be positive, got {capacity_numel}")
-        self.capacity_numel = capacity_numel
-        self.dtype = dtype
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        self.capacity_numel = max(capacity_numel, max_world_size)
+        self._buffers = ReusedBuffers([self.capacity_numel] * 2, dtype)
         self._last_reduced = 1      # the buffer holding the rows reduced last (maybe in flight)
         if device is not None:
             # at set-up, not amid the first backward's activations: a buffer that outlives the
             # step, placed by malloc above their freed memory, would keep the heap from shrinking
             for index in (0, 1):
-                self._buffer(index, 1, device)
+                self._buffers.get(index, device)
 
     def open(self, world_size: int, group: object, device: torch.device) -> Slab:
         """A slab over `world_size` ranks in the buffer not reduced last."""
@@ -134,15 +137,13 @@ class GradientSlabs:
         return rows
 
     def _buffer(self, index: int, world_size: int, device: torch.device) -> torch.Tensor:
-        """Buffer `index`, allocated once (its pages reused every step) on the device of the first
-        gradient; a gradient from elsewhere (a stand-in zero on the host) is copied across."""
-        buffer = self._buffers[index]
-        if buffer is None or buffer.numel() < world_size:
-            other = self._buffers[1 - index]
-            buffer = torch.empty(max(self.capacity_numel, world_size), dtype=self.dtype,
-                                 device=device if other is None else other.device)
-            self._buffers[index] = buffer
-        return buffer
+        if world_size > self.capacity_numel:
+            raise ValueError(f"a slab over {world_size} ranks needs at least {world_size} elements; "
+                             f"these slabs hold {self.capacity_numel} (max_world_size too small)")
+        return self._buffers.get(index, device)
+
+    def allocated(self) -> list[torch.Tensor]:
+        return self._buffers.allocated()
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
+        return self._buffers.nbytes()
