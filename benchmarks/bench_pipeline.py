@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import sys
-import tempfile
 import time
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
+from harness import finish_rank, spawn_ranks  # noqa: E402
 
 # The stage count travels to the spawned ranks through the environment (`--stages`): a machine
 # with fewer cores than ranks measures core contention, not the schedule's idle fraction.
@@ -253,42 +251,11 @@ def _worker(rank: int, system: str, init_file: str, results: Any) -> None:
                         float(local[:, 2].mean())], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(STAGES)]
     dist.all_gather(rows, row)
-    if rank == 0:
-        results.put([r.tolist() for r in rows])
-        results.close()
-        results.join_thread()
-    dist.barrier()
-    os._exit(0)  # skip gloo teardown (it intermittently aborts at exit)
-
-
-def _result(results: Any, procs: list[Any], timeout_s: float = 1200.0) -> list[list[float]]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return results.get(timeout=2)
-        except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"a rank failed (exit codes {failed}); see its traceback above") from None
-    raise TimeoutError(f"no result after {timeout_s} s")
+    finish_rank(results, [r.tolist() for r in rows] if rank == 0 else None)
 
 
 def run(system: str) -> list[list[float]]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="zs-bench-pipe-") as tmp:
-        procs = [context.Process(target=_worker, args=(rank, system, os.path.join(tmp, "rdzv"), results))
-                 for rank in range(STAGES)]
-        for proc in procs:
-            proc.start()
-        try:
-            rows = _result(results, procs)
-        finally:
-            for proc in procs:
-                proc.join(timeout=60)
-                if proc.is_alive():
-                    proc.kill()
-    return rows
+    return spawn_ranks(_worker, STAGES, system, label=system, timeout_s=1200.0)[0]
 
 
 def main() -> None:

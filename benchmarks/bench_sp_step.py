@@ -31,16 +31,14 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import _wait_for_result, finish_rank  # noqa: E402
+from harness import finish_rank, spawn_ranks  # noqa: E402
 
 HEADS, KV_HEADS, VOCAB, SP = 8, 4, 512, 2
 DS_EXTENSIONS = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions", "deepspeed-0.19.8")
@@ -165,17 +163,7 @@ def _profiler(rank: int, spec: Spec) -> Any:
 
 
 def run(spec: Spec) -> Result:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="zs-bench-sp-") as tmp:
-        processes = [context.Process(target=_worker, args=(rank, spec, os.path.join(tmp, "rdzv"), results))
-                     for rank in range(SP)]
-        for process in processes:
-            process.start()
-        result = _wait_for_result(results, processes, spec)  # type: ignore[arg-type]
-        for process in processes:
-            process.join(timeout=60)
-    return result
+    return spawn_ranks(_worker, SP, spec, label=spec.label)[0]
 
 
 def main() -> None:

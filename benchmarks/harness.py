@@ -9,6 +9,9 @@ per step per rank, and the final loss.
 
 Bytes: zerospeed through its comms logger; DDP through a comm hook that counts each bucket;
 FSDP2 and DeepSpeed by counting the torch.distributed tensor collectives they call.
+
+`spawn_ranks` and `finish_rank` start and end the ranks of every benchmark here that hands
+results back through a queue (a failed or stuck rank raises, naming the benchmark, never hangs).
 """
 
 from __future__ import annotations
@@ -306,29 +309,71 @@ def finish_rank(results: Any, item: Any = None) -> NoReturn:
     os._exit(0)
 
 
-def run(spec: RunSpec) -> RunResult:
+def spawn_ranks(target: Callable[..., None], world_size: int, *args: Any, label: str, num_results: int = 1,
+                timeout_s: float = 3600.0) -> list[Any]:
+    """Run `target(rank, *args, init_file, results)` in `world_size` fresh spawned processes and
+    return the first `num_results` items they put on `results` (finish_rank), in arrival order.
+    `init_file` is a rendezvous file in a temporary directory (gloo's `file://` init, no ports).
+
+    When a rank exits non-zero, every rank exits with no result, or `timeout_s` passes first,
+    every rank is killed and the error names the benchmark script and `label`: no hang. Ranks
+    still alive a minute after the results are in are killed too (a lost barrier partner)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="zs-bench-") as tmp:
-        processes = [context.Process(target=_worker, args=(rank, spec, os.path.join(tmp, "rdzv"), results))
-                     for rank in range(spec.world_size)]
-        for process in processes:
+        ranks = [context.Process(target=target, args=(rank, *args, os.path.join(tmp, "rdzv"), results))
+                 for rank in range(world_size)]
+        for process in ranks:
             process.start()
-        result = _wait_for_result(results, processes, spec)
-        for process in processes:
-            process.join(timeout=60)
-    return result
+        name = f"{os.path.basename(sys.argv[0])} {label}"
+        try:
+            items = _collect(results, ranks, num_results, name, timeout_s)
+        except BaseException:
+            _reap(ranks, grace_s=0.0)
+            raise
+        exit_codes = _reap(ranks, grace_s=60.0)
+    if any(exit_codes.values()):  # the results are in: worth a line, not a failed run
+        print(f"{name}: ranks exited with {exit_codes} (rank: exit code)", file=sys.stderr, flush=True)
+    return items
 
 
-def _wait_for_result(results: Any, processes: list[Any], spec: RunSpec) -> RunResult:
+def _collect(results: Any, ranks: list[Any], num_results: int, name: str, timeout_s: float) -> list[Any]:
     import queue
 
-    while True:
+    deadline = time.monotonic() + timeout_s
+    items: list[Any] = []
+    while len(items) < num_results:
+        # Exit codes are read before the get: finish_rank flushes its item before the rank exits,
+        # so the item of a rank seen gone here is in the pipe already, and the get below finds it.
+        exit_codes = {rank: process.exitcode for rank, process in enumerate(ranks)}
         try:
-            return results.get(timeout=2.0)
+            items.append(results.get(timeout=2.0))
+            continue
         except queue.Empty:
-            dead = [p.exitcode for p in processes if not p.is_alive() and p.exitcode != 0]
-            if dead or not any(p.is_alive() for p in processes):
-                for process in processes:
-                    process.kill()
-                raise RuntimeError(f"{spec.label}: ranks exited ({dead or 'cleanly'}) without a result") from None
+            pass
+        failed = {rank: code for rank, code in exit_codes.items() if code not in (None, 0)}
+        if failed:
+            raise RuntimeError(f"{name}: rank(s) exited with {failed} (rank: exit code) with {len(items)} of "
+                               f"{num_results} result(s) in; see the traceback above") from None
+        if None not in exit_codes.values():
+            raise RuntimeError(f"{name}: every rank exited cleanly, with {len(items)} of {num_results} result(s)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: {len(items)} of {num_results} result(s) after {timeout_s:.0f} s")
+    return items
+
+
+def _reap(ranks: list[Any], grace_s: float) -> dict[int, int]:
+    """Join the ranks, killing those still alive after `grace_s` (e.g. one stuck at its last
+    barrier); their exit codes by rank."""
+    deadline = time.monotonic() + grace_s
+    for process in ranks:
+        process.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return {rank: process.exitcode for rank, process in enumerate(ranks)}
+
+
+def run(spec: RunSpec) -> RunResult:
+    """One run of `spec` in fresh processes: rank 0's figures (the slowest / largest rank's)."""
+    return spawn_ranks(_worker, spec.world_size, spec, label=spec.label)[0]

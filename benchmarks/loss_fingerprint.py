@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import finish_rank
+from harness import finish_rank, spawn_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -62,15 +60,7 @@ def _worker(rank: int, init_file: str, results: Any) -> None:
 
 
 def main() -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "rdzv"), results)) for r in range(WORLD_SIZE)]
-        for p in procs:
-            p.start()
-        out = dict(results.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join()
+    out = dict(spawn_ranks(_worker, WORLD_SIZE, label="fp32 losses", num_results=WORLD_SIZE, timeout_s=600.0))
     for rank in sorted(out):
         print("\n".join(out[rank]))
 

@@ -26,15 +26,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import RunSpec, _batches, _build, _CollectiveCounter, _ds_config, finish_rank
+from harness import RunSpec, _batches, _build, _CollectiveCounter, _ds_config, finish_rank, spawn_ranks
 
 SHAPES = {  # GPT-2-style shapes of issue 21: (model, micro-batch)
     "wide4": (dict(n_layer=4, n_head=6, n_embd=384, block_size=128), 8),     # 7.25M params
@@ -197,32 +195,9 @@ def _summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _result(results: Any, procs: list[Any]) -> dict[str, Any]:
-    """The next rank's summary; raises when a rank died without one (instead of waiting forever)."""
-    import queue
-
-    while True:
-        try:
-            return results.get(timeout=2.0)
-        except queue.Empty:
-            if any(not p.is_alive() and p.exitcode != 0 for p in procs):
-                for proc in procs:
-                    proc.kill()
-                raise RuntimeError(f"a rank exited without a result: {[p.exitcode for p in procs]}") from None
-
-
 def run_once(args: argparse.Namespace) -> dict[str, Any]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="zs-probe-") as tmp:
-        procs = [context.Process(target=_worker, args=(r, args, os.path.join(tmp, "rdzv"), results))
-                 for r in range(2)]
-        for proc in procs:
-            proc.start()
-        per_rank = sorted((_result(results, procs) for _ in procs), key=lambda r: r["rank"])
-        for proc in procs:
-            proc.join(timeout=60)
-    return _summarize(per_rank)
+    per_rank = spawn_ranks(_worker, 2, args, label=f"{args.system} z{args.stage} {args.model}", num_results=2)
+    return _summarize(sorted(per_rank, key=lambda r: r["rank"]))
 
 
 def _load() -> str:

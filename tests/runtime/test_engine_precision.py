@@ -49,6 +49,29 @@ def test_bf16_stays_within_1e_2_of_fp32():
         assert (p32 - p16).abs().max() <= 1e-2
 
 
+def _accumulation_dtypes():
+    """bf16 params, `data_types.grad_accum_dtype` fp32, 2 micro-batches a step: where each gradient
+    stands after the first micro-batch, and the step's loss."""
+    config = {**_config(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}),
+              "train_batch_size": 2 * GLOBAL_BATCH, "zero_optimization": {"stage": 0}}
+    engine, optimizer, _, _ = zerospeed.initialize(model=make_model(), config=config)
+    rank = torch.distributed.get_rank()
+    batch = global_batches(1, 2 * GLOBAL_BATCH)[0]
+    for micro_step in range(2):
+        x, y = micro_batch(batch, micro_step, rank, GLOBAL_BATCH // 2, 2)
+        engine.backward(engine(x.bfloat16(), y.bfloat16()))
+        if micro_step == 0:
+            in_param = [p.grad is not None for p in engine.module.parameters()]
+            accumulators = [a.dtype for a in optimizer._accum_grads]
+        engine.step()
+    return in_param, accumulators, engine.global_steps
+
+
+def test_bf16_gradients_accumulate_in_an_fp32_buffer_when_asked():
+    in_param, accumulators, global_steps = run_on_ranks(_accumulation_dtypes, 2)[0]
+    assert not any(in_param) and accumulators == [torch.float32] * len(accumulators) and global_steps == 1
+
+
 def test_fp16_overflow_skips_step_and_scheduler_and_halves_scale():
     fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}
     scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,

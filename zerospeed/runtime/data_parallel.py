@@ -42,6 +42,8 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
+        # Read by every gradient hook call; fixed here, as the settings are (a frozen dataclass).
+        self._separate_accumulation = precision.grad_accum_dtype != precision.param_dtype
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
         self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
         self._has_experts = self._reducer.has_experts
@@ -78,10 +80,6 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         return list(zip(self._lp_params, self._masters))
 
     # --- gradients ----------------------------------------------------------------------------
-    @property
-    def _separate_accumulation(self) -> bool:
-        return self.precision.grad_accum_dtype != self.precision.param_dtype
-
     def prepare_backward(self, will_reduce: bool) -> None:
         self._reduce_in_backward = will_reduce
 
