@@ -33,23 +33,22 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.chunked_step import step_in_chunks
-from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
-                                              tensor_bytes)
+from zerospeed.runtime.config_sections import AioConfig
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.config_sections import AioConfig
+from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
-from zerospeed.runtime.zero.offload.partial_offload import build_device_optimizer
-from zerospeed.runtime.zero.sub_groups import num_sub_groups_on_device, plan_sub_groups
-from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
 from zerospeed.runtime.zero.offload.param_swapper import ParamSwapper, SwappedFlatAccess
+from zerospeed.runtime.zero.offload.partial_offload import build_device_optimizer
 from zerospeed.runtime.zero.param_state import ZeroParameter, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
 from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3GradientReducer
+from zerospeed.runtime.zero.sub_groups import num_sub_groups_on_device, plan_sub_groups
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 

@@ -48,16 +48,19 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.checkpoint.layout import optim_states_name
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.chunked_step import step_in_chunks
-from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
-                                              tensor_bytes)
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
-from zerospeed.checkpoint.layout import optim_states_name
-from zerospeed.runtime.optimizer_checkpointing import (CheckpointFiles, CheckpointLayout, FrozenParamRecords,
-                                                       frozen_param_records)
+from zerospeed.runtime.optimizer_checkpointing import (
+    CheckpointFiles,
+    CheckpointLayout,
+    FrozenParamRecords,
+    frozen_param_records,
+)
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
