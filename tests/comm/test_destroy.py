@@ -21,3 +21,13 @@ def _destroy_a_group():
 
 def test_destroying_a_gloo_group_runs_a_barrier_over_it_first():
     assert run_on_ranks(_destroy_a_group, 2) == [(["barrier"], True)] * 2
+
+
+def _destroy_a_group_of_rank_zero():
+    group = dist.new_group(ranks=[0], backend="gloo")  # rank 1 gets the non-member placeholder
+    comm.destroy_process_group(group)
+    return comm.is_initialized()
+
+
+def test_a_rank_outside_the_group_destroys_it_quietly_as_torch_does():
+    assert run_on_ranks(_destroy_a_group_of_rank_zero, 2) == [True, True]

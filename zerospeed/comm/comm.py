@@ -146,7 +146,8 @@ def destroy_process_group(group: Any = None) -> None:
     and the workers' last job holds no Python tensors. destroy_process_group is collective anyway
     (torch's docs: every rank calls it), so the barrier adds no new way to hang.
     """
-    if is_initialized() and dist.get_backend(group) == "gloo":
+    member = group is not dist.GroupMember.NON_GROUP_MEMBER  # torch's destroy ignores non-members
+    if is_initialized() and member and dist.get_backend(group) == "gloo":
         barrier(group)
     dist.destroy_process_group(group)
 
