@@ -31,3 +31,23 @@ def _destroy_a_group_of_rank_zero():
 
 def test_a_rank_outside_the_group_destroys_it_quietly_as_torch_does():
     assert run_on_ranks(_destroy_a_group_of_rank_zero, 2) == [True, True]
+
+
+def _destroy_while_failing():
+    group = dist.new_group(ranks=[0, 1], backend="gloo")
+    comm.configure(enabled=True, prof_all=True)
+    comm.comms_logger.reset()
+    try:
+        try:
+            raise RuntimeError("a rank's training failed")
+        finally:
+            comm.destroy_process_group(group)  # the clean-up of a failing script
+    except RuntimeError:
+        pass
+    finally:
+        comm.configure(enabled=False)
+    return [r.op for r in comm.comms_logger.records]
+
+
+def test_no_barrier_while_an_exception_propagates_so_a_failing_rank_still_exits():
+    assert run_on_ranks(_destroy_while_failing, 2) == [[], []]

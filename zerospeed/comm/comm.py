@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import Any
 
 import torch
@@ -140,14 +141,18 @@ def destroy_process_group(group: Any = None) -> None:
     [Note: gloo exit abort] Without the barrier, a gloo job whose engine still holds a group at
     interpreter exit aborted about one run in ten after all its work was done (``terminate called
     without an active exception``, SIGABRT; measured: 2 of 20 runs of one stage-0 step on 2
-    ranks, 0 of 20 with the barrier, 0 of 20 with the engine deleted first). The likely cause: a
+    ranks, 0 of 40 with this barrier, 0 of 20 with the engine deleted first). The likely cause: a
     gloo worker thread still releasing the last asynchronous collective's tensors, which needs the
     GIL, while the interpreter finalizes. A barrier first means every rank's earlier work is done
     and the workers' last job holds no Python tensors. destroy_process_group is collective anyway
-    (torch's docs: every rank calls it), so the barrier adds no new way to hang.
+    (torch's docs: every rank calls it); during an exception's clean-up the barrier is skipped.
     """
     member = group is not dist.GroupMember.NON_GROUP_MEMBER  # torch's destroy ignores non-members
-    if is_initialized() and member and dist.get_backend(group) == "gloo":
+    # While an exception propagates (a `finally:` or `except:` clean-up), the other ranks may be
+    # blocked in a collective this rank will never join: a barrier would hang both instead of
+    # letting this rank exit, which is what makes the job fail fast.
+    failing = sys.exc_info()[0] is not None
+    if is_initialized() and member and not failing and dist.get_backend(group) == "gloo":
         barrier(group)
     dist.destroy_process_group(group)
 
