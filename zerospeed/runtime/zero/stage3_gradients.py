@@ -172,12 +172,12 @@ class Stage3GradientReducer:
             rows.mul_(self.before)
         # a reduce-scatter; with gloo an in-place all-reduce of `rows` ([Note: gloo temporaries] in comm.py)
         work, output = comm.reduce_scatter_rows_(rows, group=slab.group, async_op=self.overlap_comm)
-        in_slab = output.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
-        self._in_flight.submit(work, lambda: self._store(output, slab.pieces, in_slab), keepalive=(rows,))
+        self._in_flight.submit(work, lambda: self._store(output, slab.pieces), keepalive=(rows,))
 
-    def _store(self, output: torch.Tensor, pieces: list[SlabPiece], in_slab: bool) -> None:
+    def _store(self, output: torch.Tensor, pieces: list[SlabPiece]) -> None:
         """A finished reduce-scatter: average, then add each piece into its parameter's partition.
-        `in_slab`: `output` is a view of a slab buffer, which is refilled once this returns."""
+        `output` is this rank's row of the slab buffer (`reduce_scatter_rows_`), refilled once this
+        returns."""
         if self.after != 1.0:
             output.mul_(self.after)
         offset = 0
@@ -189,7 +189,7 @@ class Stage3GradientReducer:
                 dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
             else:   # [Note: offloaded gradients at stage 3]
                 values = _for_host_add(reduced, dest.dtype)
-                if in_slab and values.device.type != "cpu" and values.data_ptr() == reduced.data_ptr():
+                if values.device.type != "cpu" and values.data_ptr() == reduced.data_ptr():
                     values = values.clone()   # the sink reads it on its own stream, after the refill
                 self.sink.add(dest, values)  # type: ignore[union-attr]
             offset += numel
