@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from typing import Any
 
 import torch
@@ -188,11 +187,10 @@ class EngineCheckpointing:
         for plain in (model_states_name(0, mp_rank=self._checkpoint_mp_rank()), model_states_name(0)):
             if plain in names:   # this tp rank's file; mp_rank_00 when the tp size changed
                 return os.path.join(tag_dir, plain)
-        dp_rank = comm.get_rank(self.dp_group)
         mp_rank = self._checkpoint_mp_rank()
-        saved_dp = sum(re.fullmatch(rf"zero_pp_rank_\d+_mp_rank_{mp_rank:02d}_model_states\.pt", name) is not None
-                       for name in names)
-        wanted = model_states_name(3, dp_rank if dp_rank < saved_dp else 0, mp_rank)
+        wanted = model_states_name(3, comm.get_rank(self.dp_group), mp_rank)
+        if wanted not in names:   # saved on fewer dp ranks than now: dp rank 0's file
+            wanted = model_states_name(3, 0, mp_rank)
         return os.path.join(tag_dir, wanted)
 
     def _load_module(self, model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
