@@ -83,9 +83,8 @@ class EngineTensorParallel:
         DeepSpeed); collective, every rank must call it."""
         if self.tensor_parallel is None:
             return super()._consolidated_16bit_state_dict(exclude_frozen_parameters)  # type: ignore[misc]
-        local = self._tp_rank_state_dict(exclude_frozen_parameters)
-        full = self._full_weights(local) if local is not None else {}
-        return full if comm.get_rank() == 0 else {}
+        full = self._full_weights(self._tp_rank_state_dict(exclude_frozen_parameters))
+        return full if full is not None and comm.get_rank() == 0 else {}
 
     def _tp_rank_state_dict(self, exclude_frozen_parameters: bool) -> dict[str, Any] | None:
         """This tp rank's pieces, whole over the data-parallel group. At ZeRO-3 they are gathered
