@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zerospeed.launcher import heartbeat as _heartbeat
+from zerospeed.utils import heartbeat as _heartbeat
 from zerospeed.utils.logging import log_dist, logger
 from zerospeed.version import (
     __git_branch__,

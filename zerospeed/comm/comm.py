@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.comm.comms_logger import comms_logger, logged
-from zerospeed.launcher import heartbeat
+from zerospeed.utils import heartbeat
 
 ReduceOp = dist.ReduceOp
 _DEFAULT_TIMEOUT_MIN = 10

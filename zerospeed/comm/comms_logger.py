@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from zerospeed.launcher import heartbeat
+import torch.distributed as dist
+
+from zerospeed.utils import heartbeat
+
+
+def _group_size(group: Any) -> int:
+    """The number of ranks in `group` (the world when None); 1 before init, as comm.get_world_size."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +124,9 @@ def logged(op: str, msg_tensor_arg: Callable[..., Any]) -> Callable[[Callable[..
         def call(name: str, *args: Any, **kwargs: Any) -> Any:
             if not (comms_logger.wants(op) or comms_logger.wants(name)):
                 return fn(*args, **kwargs)
-            from zerospeed.comm.comm import get_world_size
-
             tensor = msg_tensor_arg(*args, **kwargs)
             msg_bytes = tensor.numel() * tensor.element_size()
-            group_size = get_world_size(kwargs.get("group"))
+            group_size = _group_size(kwargs.get("group"))
             with comms_logger.timed(name, group_size, msg_bytes, bool(kwargs.get("async_op", False)), force=True):
                 return fn(*args, **kwargs)
 

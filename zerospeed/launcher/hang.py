@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from zerospeed.launcher.heartbeat import HEARTBEAT_ENV, LAYOUT, STACK_SIGNAL, read_state
+from zerospeed.utils.heartbeat import HEARTBEAT_ENV, LAYOUT, STACK_SIGNAL, read_state
 from zerospeed.launcher.rank_process import RankProcess, RankSpec
 
 __all__ = ["HANG_EXIT_CODE", "HANG_TIMEOUT_ENV", "HangWatch", "hang_timeout_s"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.runtime.pipe.layer_spec import LayerSpec
+
 __all__ = ["layer_type_name", "partition_balanced", "partition_uniform", "partition_weights"]
 
 
@@ -59,8 +61,6 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
 
 def layer_type_name(layer: Any) -> str | None:
     """The class name partitioning and checkpointing match against (None for a nameless callable)."""
-    from zerospeed.runtime.pipe.module import LayerSpec
-
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     if isinstance(layer, torch.nn.Module):
@@ -69,8 +69,6 @@ def layer_type_name(layer: Any) -> str | None:
 
 
 def _trainable_numel(layer: Any) -> int:
-    from zerospeed.runtime.pipe.module import LayerSpec
-
     module = layer.build() if isinstance(layer, LayerSpec) else layer
     if not isinstance(module, torch.nn.Module):
         return 0

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.pipe.layer_spec import TiedLayerSpec
 
 __all__ = ["TiedGroups"]
 
@@ -67,8 +68,6 @@ class TiedGroups:
         if topo.get_dim("pipe") == 1:
             return cls([])
         specs = module._layer_specs
-        from zerospeed.runtime.pipe.module import TiedLayerSpec
-
         keys = sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)})
         ties = []
         for key in keys:
