@@ -25,6 +25,7 @@ from zerospeed.runtime.engine_client_api import EngineClientAPI
 from zerospeed.runtime.engine_moe import broadcast_expert_params, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
+    build_parallel_layout,
     build_lr_scheduler,
     cast_inputs,
     configure_basic_optimizer,
@@ -47,6 +48,8 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         settle_mmap_threshold()   # opt-in; before any training state exists ([Note: glibc mmap threshold])
         self._init_counters()
         raw_config = config_class._param_dict if config_class is not None else load_ds_config(config)
+        self.parallel_layout = build_parallel_layout(raw_config, model, mpu, self._pipe_stages(model))
+        self.parallel_layout.validate()
         # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).
         tp_dp_group = self._init_tensor_parallel(model, raw_config, mpu)
         self._init_parallel_groups(raw_config, mpu, tp_dp_group)
@@ -84,8 +87,6 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         `dp_world_size`; sequence_parallel/groups_setup.py explains the layout and the averaging).
         """
         sp = build_sequence_parallel(raw, mpu if tp_dp_group is None else None)
-        if sp is not None and tp_dp_group is not None:
-            raise ValueError("sequence_parallel_size > 1 with tensor_parallel.autotp_size > 1 is not supported")
         if sp is None:
             self.dp_group = tp_dp_group if tp_dp_group is not None else groups.initialize_data_parallel(mpu=mpu).group
             self.dp_world_size = comm.get_world_size(self.dp_group)
@@ -98,6 +99,10 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
             self.seq_parallel_group = sp.sequence_parallel_group
             self.sequence_parallel_size = sp.sequence_parallel_size
         self.seq_dp_world_size = comm.get_world_size(self.seq_data_parallel_group)
+
+    def _pipe_stages(self, model: torch.nn.Module) -> int:
+        """Pipeline stages of this run's model: 1 here; `PipelineEngine` answers for its module."""
+        return 1
 
     def _init_counters(self) -> None:
         self.global_steps = 0

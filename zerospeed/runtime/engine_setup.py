@@ -1,5 +1,5 @@
-"""Setup steps of `DeepSpeedEngine.__init__` that are not sequencing: parameter broadcast, the
-basic optimizer, the LR scheduler, input casting."""
+"""Setup steps of `DeepSpeedEngine.__init__` that are not sequencing: the parallel layout, parameter
+broadcast, the basic optimizer, the LR scheduler, input casting."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm.layout import ParallelLayout, parallel_layout_for_run
 from zerospeed.runtime.optimizer_factory import build_basic_optimizer
 
 
@@ -73,3 +74,20 @@ def cast_inputs(inputs: tuple, dtype: torch.dtype) -> tuple:
         return value
 
     return cast(inputs)
+
+
+def build_parallel_layout(raw_config: dict[str, Any], model: torch.nn.Module, mpu: Any,
+                          pipe_stages: int) -> ParallelLayout:
+    """The run's `ParallelLayout`, read before anything is grouped or cut, so that `validate()`
+    refuses a combination with the model untouched ([Note: combination table] in comm/layout.py)."""
+    from zerospeed.moe.layer import MoE
+    from zerospeed.runtime.tensor_parallel.setup import resolve_tp_config
+
+    ep_sizes = [child.ep_size for child in model.modules() if isinstance(child, MoE)]
+    mpu_sequence_size = None
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_group"):
+        mpu_sequence_size = comm.get_world_size(mpu.get_sequence_parallel_group())
+    return parallel_layout_for_run(raw_config, comm.get_world_size(), pipe_stages=pipe_stages,
+                                   tensor_size=resolve_tp_config(raw_config, model).tp_size,
+                                   moe_expert_size=max(ep_sizes) if ep_sizes else None,
+                                   mpu_sequence_size=mpu_sequence_size)

@@ -76,11 +76,12 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
 
+    def _pipe_stages(self, model: torch.nn.Module) -> int:
+        return model.num_stages if isinstance(model, PipelineModule) else 1
+
     def _check_supported(self, model: PipelineModule) -> None:
-        stage = self.zero_optimization_stage()
-        if stage >= 3:
-            raise ValueError("ZeRO stage 3 is not supported with pipeline parallelism; use zero_optimization.stage "
-                             "1 or 2 (zerospeed runs both with a PipelineModule)")
+        """The schedule and the batch; combinations with other features are refused by the run's
+        `ParallelLayout` (comm/layout.py) before anything is built."""
         if self.schedule_name not in _SCHEDULES:
             raise ValueError(f"pipeline.schedule must be one of {sorted(_SCHEDULES)}, got {self.schedule_name!r}")
         interleaved = self.schedule_name == "interleaved_1f1b"

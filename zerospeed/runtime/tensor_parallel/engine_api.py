@@ -8,7 +8,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
-from zerospeed.runtime.tensor_parallel.setup import TensorParallelSetup, check_engine_supported, setup_autotp
+from zerospeed.runtime.tensor_parallel.setup import TensorParallelSetup, setup_autotp
 from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
 from zerospeed.utils.logging import logger
 
@@ -50,10 +50,9 @@ class EngineTensorParallel:
         return raw_config
 
     def _attach_tensor_parallel(self) -> None:
-        """After the optimizer exists: check the combination, hand the optimizer the tp group."""
+        """After the optimizer exists: hand it the tp group."""
         if self.tensor_parallel is None:
             return
-        check_engine_supported(self._config.zero_optimization_stage, bool(getattr(self, "has_moe_layers", False)))
         if self.optimizer is not None:
             self.optimizer.tp_group = self.tensor_parallel.tp_group
 

@@ -34,7 +34,7 @@ from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
 from zerospeed.runtime.tensor_parallel.plan import Partition
 from zerospeed.runtime.tensor_parallel.shard import apply_autotp
 
-__all__ = ["TensorParallelSetup", "TpModelInitArgs", "check_engine_supported", "record_tp_model_init",
+__all__ = ["TensorParallelSetup", "TpModelInitArgs", "record_tp_model_init",
            "resolve_tp_config", "setup_autotp"]
 
 _RECORD_ATTR = "ds_tp_model_init_args"
@@ -137,7 +137,6 @@ def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -
     config = resolve_tp_config(raw_config, model)
     if config.tp_size <= 1:
         return None
-    _refuse_unsupported_combinations(config.tp_size, raw_config, mpu)
     _refuse_zero_init_model(config.tp_size, model)
     if mpu is not None:
         raise ValueError("tensor_parallel.autotp_size > 1 builds its own groups; do not pass an mpu as well")
@@ -152,22 +151,6 @@ def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -
     return TensorParallelSetup(config, tp.group, groups.get_data_parallel_group(), plan)
 
 
-def _refuse_unsupported_combinations(tp_size: int, raw_config: dict[str, Any], mpu: Any) -> None:
-    """Refuse, before the model is cut, what AutoTP does not combine with here.
-
-    Ulysses sequence parallelism: DeepSpeed 0.19.8 has no data x sequence x tensor grid either (its
-    tp mesh and its sp mesh are each built over the whole world, so both would claim the same
-    consecutive ranks; its AutoEP folding names the two mutually exclusive).
-    """
-    sp_size = raw_config.get("sequence_parallel_size", 1)
-    if (isinstance(sp_size, int) and sp_size > 1) or hasattr(mpu, "get_sequence_parallel_group"):
-        given = (f"sequence_parallel_size={sp_size}" if isinstance(sp_size, int) and sp_size > 1
-                 else "an mpu with a sequence-parallel group (UlyssesSPAttentionHF.register_with_transformers)")
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} together with Ulysses sequence parallelism "
-                         f"({given}) is not supported (DeepSpeed 0.19.8 has no combined layout either): "
-                         "use one of the two")
-
-
 def _refuse_zero_init_model(tp_size: int, model: torch.nn.Module) -> None:
     """A model built under `zero.Init` holds partitions only; AutoTP cuts whole weights. DeepSpeed
     0.19.8 gathers each layer whole before cutting it; zerospeed does not (docs/compatibility.md)."""
@@ -178,9 +161,3 @@ def _refuse_zero_init_model(tp_size: int, model: torch.nn.Module) -> None:
         raise ValueError(f"tensor_parallel.autotp_size={tp_size} with a model built under zero.Init (parameter "
                          f"'{partitioned[0]}' is partitioned) is not supported: build the model without "
                          "zero.Init; ZeRO stage 3 then partitions the tensor-parallel pieces at initialize")
-
-
-def check_engine_supported(zero_stage: int, has_moe_layers: bool) -> None:
-    """AutoTP trains at every ZeRO stage, without MoE layers."""
-    if has_moe_layers:
-        raise ValueError("tensor_parallel.autotp_size > 1 with MoE layers is not supported")
