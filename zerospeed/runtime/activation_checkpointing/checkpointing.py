@@ -27,8 +27,8 @@ from zerospeed.runtime.activation_checkpointing.rng import (
     CudaRNGStatesTracker,
     RngSnapshot,
     get_cuda_rng_tracker,
-    model_parallel_cuda_manual_seed,
-    model_parallel_reconfigure_tp_seed,
+    reseed_tensor_parallel,
+    seed_model_parallel,
 )
 from zerospeed.runtime.activation_checkpointing.saved_inputs import PartitionGroup
 from zerospeed.utils.logging import log_dist, logger
@@ -80,6 +80,27 @@ _partition = PartitionGroup()
 def get_mpu() -> Any:
     """The model-parallel unit given to `configure` (None when there is none)."""
     return _mpu
+
+
+def _tensor_parallel_rank(mpu: Any) -> int:
+    """This rank's tensor-parallel rank by the configured mpu (Megatron's and DeepSpeed's getter
+    names differ between versions), 0 without one."""
+    if mpu is None:
+        return 0
+    for getter in ("get_tensor_model_parallel_rank", "get_model_parallel_rank", "get_slice_parallel_rank"):
+        if hasattr(mpu, getter):
+            return int(getattr(mpu, getter)())
+    return 0
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """DeepSpeed's name: seed the default generator with `seed` and the model-parallel tracker with
+    `seed + 2718 + tp_rank`, the tp rank read from the mpu given to `configure`."""
+    seed_model_parallel(seed, _tensor_parallel_rank(_mpu))
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    reseed_tensor_parallel(seed, _tensor_parallel_rank(_mpu))
 
 
 def _partition_group(mpu: Any) -> PartitionGroup:

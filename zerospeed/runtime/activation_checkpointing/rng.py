@@ -30,8 +30,8 @@ __all__ = [
     "CudaRNGStatesTracker",
     "RngSnapshot",
     "get_cuda_rng_tracker",
-    "model_parallel_cuda_manual_seed",
-    "model_parallel_reconfigure_tp_seed",
+    "reseed_tensor_parallel",
+    "seed_model_parallel",
 ]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -121,21 +121,9 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
     return _CUDA_RNG_STATE_TRACKER
 
 
-def _tensor_parallel_rank(mpu: Any) -> int:
-    if mpu is None:
-        return 0
-    for getter in ("get_tensor_model_parallel_rank", "get_model_parallel_rank", "get_slice_parallel_rank"):
-        if hasattr(mpu, getter):
-            return int(getattr(mpu, getter)())
-    return 0
-
-
-def model_parallel_cuda_manual_seed(seed: int) -> None:
+def seed_model_parallel(seed: int, tp_rank: int) -> None:
     """Seed the default generator with `seed` (the same on every tensor-parallel rank) and the
     tracker's `model-parallel-rng` with `seed + 2718 + tp_rank` (different per tensor-parallel rank)."""
-    from zerospeed.runtime.activation_checkpointing import checkpointing
-
-    tp_rank = _tensor_parallel_rank(checkpointing.get_mpu())
     model_parallel_seed = seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank
     logger.debug("model parallel seeds: tp rank %d, model parallel seed %d, data parallel seed %d",
                  tp_rank, model_parallel_seed, seed)
@@ -144,10 +132,8 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     _CUDA_RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
 
 
-def model_parallel_reconfigure_tp_seed(seed: int) -> None:
-    from zerospeed.runtime.activation_checkpointing import checkpointing
-
-    tp_rank = _tensor_parallel_rank(checkpointing.get_mpu())
+def reseed_tensor_parallel(seed: int, tp_rank: int) -> None:
+    """Reseed the tracker's current state with `seed + 2718 + tp_rank`, leaving the default generator."""
     with _CUDA_RNG_STATE_TRACKER.fork():
         _device_manual_seed(seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
 
