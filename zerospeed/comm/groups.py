@@ -25,9 +25,11 @@ __all__ = [
     "AxisGroup",
     "DATA_PARALLEL",
     "MODEL_PARALLEL",
+    "PIPE_MODEL_PARALLEL",
     "SEQUENCE_DATA_PARALLEL",
     "SEQUENCE_PARALLEL",
     "create_axis_group",
+    "create_rank_groups",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
@@ -78,6 +80,7 @@ DATA_PARALLEL = "data_parallel"
 MODEL_PARALLEL = "model_parallel"
 SEQUENCE_PARALLEL = "sequence_parallel"
 SEQUENCE_DATA_PARALLEL = "sequence_data_parallel"
+PIPE_MODEL_PARALLEL = "pipe_model_parallel"   # a pipeline's ranks sharing one data coordinate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,18 +125,29 @@ def get_topology() -> ProcessTopology | None:
 
 # --- building ----------------------------------------------------------------------------------
 
-def _new_groups(rank_lists: list[list[int]]) -> AxisGroup:
-    """Create one group per list on every rank, in order; return the one holding this rank."""
+def create_rank_groups(rank_lists: list[list[int]], name: str | None = None) -> AxisGroup | None:
+    """Create one group per list on every rank, in order (collective); return the one holding this
+    rank, None when no list holds it. A list that is the whole world is the world group itself.
+
+    For groups that are not one axis of a topology: the pipeline's tie groups (the stages sharing a
+    tied layer) and its model group. With ``name`` this rank's group is registered (``get_group``).
+    """
     rank, world_size = comm.get_rank(), comm.get_world_size()
-    if len(rank_lists) == 1 and rank_lists[0] == list(range(world_size)):
-        return AxisGroup(comm.get_world_group(), tuple(rank_lists[0]))
     mine: AxisGroup | None = None
     for ranks in rank_lists:
-        group = comm.new_group(ranks)
+        group = comm.get_world_group() if list(ranks) == list(range(world_size)) else comm.new_group(ranks)
         if rank in ranks:
             mine = AxisGroup(group, tuple(ranks))
+    if mine is not None and name is not None:
+        _groups[name] = mine
+    return mine
+
+
+def _new_groups(rank_lists: list[list[int]]) -> AxisGroup:
+    """One group per list on every rank, in order; the one holding this rank (it must be in one)."""
+    mine = create_rank_groups(rank_lists)
     if mine is None:
-        raise ValueError(f"rank {rank} is in none of the rank lists {rank_lists}")
+        raise ValueError(f"rank {comm.get_rank()} is in none of the rank lists {rank_lists}")
     return mine
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm import groups
 from zerospeed.runtime.pipe.layer_spec import TiedLayerSpec
 
 __all__ = ["TiedGroups"]
@@ -73,13 +74,15 @@ class TiedGroups:
         for key in keys:
             stages = sorted({module.stage_owner(i) for i, s in enumerate(specs)
                              if isinstance(s, TiedLayerSpec) and s.key == key})
+            rank_lists = []
             for dp in range(grid.get_data_parallel_world_size()):
                 for mp in range(grid.get_slice_parallel_world_size()):
                     coords = {"data": dp, "model": mp} if "model" in topo.get_axis_names() else {"data": dp}
-                    ranks = [grid.stage_to_global(stage_id=s, **coords) for s in stages]
-                    group = comm.new_group(ranks)
-                    if comm.get_rank() in ranks:
-                        ties.append(_Tie(key, ranks, group, module.tied_modules[key], module.tied_weight_attrs[key]))
+                    rank_lists.append([grid.stage_to_global(stage_id=s, **coords) for s in stages])
+            mine = groups.create_rank_groups(rank_lists, f"pipe_tied_{key}")
+            if mine is not None:
+                ties.append(_Tie(key, list(mine.ranks), mine.group, module.tied_modules[key],
+                                 module.tied_weight_attrs[key]))
         return cls(ties)
 
     def items(self) -> list[tuple[str, _Tie]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerospeed import comm
-from zerospeed.comm.groups import create_axis_group
+from zerospeed.comm.groups import PIPE_MODEL_PARALLEL, create_axis_group, create_rank_groups
 from zerospeed.comm.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 __all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid", "ProcessTopology"]
@@ -69,12 +69,11 @@ class PipelineParallelGrid:
 
     def _init_model_parallel_group(self) -> None:
         """Ranks sharing this rank's data coordinate (DeepSpeed's `ds_model_proc_group`)."""
-        for dp in range(self.data_parallel_size):
-            ranks = sorted(self._topo.get_axis_list(axis="data", idx=dp))
-            group = comm.get_world_group() if len(ranks) == self.world_size else comm.new_group(ranks)
-            if self.global_rank in ranks:
-                self.ds_model_proc_group, self.ds_model_world_size = group, len(ranks)
-                self.ds_model_rank = ranks.index(self.global_rank)
+        rank_lists = [sorted(self._topo.get_axis_list(axis="data", idx=dp)) for dp in range(self.data_parallel_size)]
+        mine = create_rank_groups(rank_lists, PIPE_MODEL_PARALLEL)
+        assert mine is not None, "every rank has a data coordinate"
+        self.ds_model_proc_group, self.ds_model_world_size = mine.group, len(mine.ranks)
+        self.ds_model_rank = mine.ranks.index(self.global_rank)
 
     def _p2p_pairs(self) -> list[list[int]]:
         pairs = []
