@@ -71,7 +71,7 @@ class ProcessTopology:
         if not 0 <= rank < self.world_size():
             raise ValueError(f"rank {rank} not found in topology {dict(zip(self.axes, self.dims))}")
         coord = [(rank // stride) % dim for dim, stride in zip(self.dims, self._strides)]
-        return self.ProcessCoord(*coord)
+        return self.ProcessCoord(*coord)  # type: ignore[arg-type]  # a namedtuple built at run time
 
     def _coords(self) -> Iterable[Any]:
         return (self.get_coord(rank) for rank in range(self.world_size()))

@@ -11,7 +11,23 @@ import copy
 
 import torch
 
-__all__ = ["Experts"]
+__all__ = ["Experts", "expert_group_name", "mark_expert_param"]
+
+
+# DeepSpeed's markers on an expert parameter (clients read them): not replicated over data-parallel
+# ranks, and the name of its expert group; ours: how many experts this rank holds (checkpoint reshards).
+ALLREDUCE_ATTR, GROUP_NAME_ATTR, NUM_LOCAL_EXPERTS_ATTR = "allreduce", "group_name", "zs_num_local_experts"
+
+
+def mark_expert_param(param: torch.Tensor, group_name: str, num_local_experts: int) -> None:
+    setattr(param, ALLREDUCE_ATTR, False)
+    setattr(param, GROUP_NAME_ATTR, group_name)
+    setattr(param, NUM_LOCAL_EXPERTS_ATTR, num_local_experts)
+
+
+def expert_group_name(param: torch.Tensor) -> str:
+    """The expert group an expert parameter belongs to (its `group_name`)."""
+    return str(getattr(param, GROUP_NAME_ATTR))
 
 
 class Experts(torch.nn.Module):
@@ -27,9 +43,7 @@ class Experts(torch.nn.Module):
         self.num_local_experts = num_local_experts
         for local_expert in self.deepspeed_experts:
             for param in local_expert.parameters():
-                param.allreduce = False
-                param.group_name = expert_group_name
-                param.zs_num_local_experts = num_local_experts   # ours: global ids on a checkpoint reshard
+                mark_expert_param(param, str(expert_group_name), num_local_experts)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """[ep_size, num_local_experts, C, d] -> the same shape, expert i applied to [:, i]."""

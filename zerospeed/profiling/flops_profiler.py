@@ -261,7 +261,8 @@ def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | Non
             model(*args, **kwargs)
         profiler.start_profile(ignore_list=ignore_modules)
         model(*args, **kwargs)
-    flops, macs, params = profiler.get_total_flops(), profiler.get_total_macs(), profiler.get_total_params()
+    root = profiler.root   # the totals as numbers (get_total_* return strings on request)
+    flops, macs, params = root.flops, root.macs, root.params
     profiler.stop_profile()
     if print_profile:
         profiler.print_model_profile(profile_step=warm_up, module_depth=module_depth, top_modules=top_modules,

@@ -98,6 +98,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._reduce_in_backward = False
 
     def _move_grad_to_accumulator(self, index: int, param: torch.Tensor) -> None:
+        assert param.grad is not None, "the hook runs for a parameter whose gradient was just produced"
         grad = param.grad.to(self.precision.grad_accum_dtype)
         acc = self._accum_grads[index]
         self._accum_grads[index] = grad if acc is None else acc.add_(grad)
@@ -143,7 +144,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         for master, grad in zip(self._masters, grads):
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
-        scale_([m.grad for m in self._masters], multiplier)
+        scale_([m.grad for m in self._masters if m.grad is not None], multiplier)   # every master's, set above
         self.optimizer.step()
         if self.precision.low_precision:
             self._copy_masters_to_params()

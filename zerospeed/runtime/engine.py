@@ -269,9 +269,12 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         finally:
             self._inside_no_sync = False
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.module.parameters():
-            param.grad = None
+            if set_to_none or param.grad is None:
+                param.grad = None
+            else:
+                param.grad.zero_()
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.module.train(mode)

@@ -38,6 +38,10 @@ class EngineAccessors:
     optimizer: Any
     basic_optimizer: Any
     client_optimizer: Any
+    precision: Any                      # PrecisionSettings
+    communication_data_type: torch.dtype
+    _global_grad_norm: float | None
+    _step_applied: bool
 
     # --- batch sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:

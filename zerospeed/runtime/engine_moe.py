@@ -49,7 +49,7 @@ def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = F
             info.gate_modules.append(child)
     for child in module.modules():
         if hasattr(child, "set_deepspeed_parallelism"):
-            child.set_deepspeed_parallelism(use_data_before_expert_parallel)
+            child.set_deepspeed_parallelism(use_data_before_expert_parallel)  # type: ignore[operator]  # found by hasattr
     for layer_id, child in enumerate(c for c in module.modules() if isinstance(c, MoE)):
         child.deepspeed_moe.comm_log_name = f"moe_layer_{layer_id}"   # the checkpoint's layer numbering
     return info
@@ -58,14 +58,16 @@ def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = F
 @torch.no_grad()
 def broadcast_expert_params(module: torch.nn.Module) -> None:
     """Each expert parameter from the first rank of its expert-data-parallel group (step 2)."""
+    from zerospeed.moe.experts import expert_group_name
     from zerospeed.moe.utils import is_moe_param
     from zerospeed.utils import groups
 
     for param in module.parameters():
         if is_moe_param(param) and not hasattr(param, "ds_id"):
-            group = groups._get_expert_data_parallel_group(param.group_name)
+            group_name = expert_group_name(param)
+            group = groups._get_expert_data_parallel_group(group_name)
             if comm.get_world_size(group) > 1:
-                source = groups._get_expert_data_parallel_group_ranks(param.group_name)[0]
+                source = groups._get_expert_data_parallel_group_ranks(group_name)[0]
                 comm.broadcast(param.data, src=source, group=group)
 
 

@@ -21,12 +21,13 @@ over the expert-parallel group (one copy of each expert), those of the rest stay
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from zerospeed import comm
+from zerospeed.moe.experts import expert_group_name as _expert_group_of
 from zerospeed.runtime.grad_utils import sum_of_squares
 from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
 from zerospeed.runtime.precision import PrecisionSettings
@@ -38,12 +39,10 @@ DENSE = ""  # reduction key of ordinary parameters
 
 def expert_group_name(param: torch.Tensor) -> str:
     """The expert group of an expert parameter, DENSE for any other."""
-    if getattr(param, "allreduce", True) is False:
-        return str(param.group_name)
-    return DENSE
+    return _expert_group_of(param) if getattr(param, "allreduce", True) is False else DENSE
 
 
-def reduction_plan(params: list[torch.Tensor]) -> dict[str, list[int]]:
+def reduction_plan(params: Sequence[torch.Tensor]) -> dict[str, list[int]]:
     """Parameter indices by reduction key: DENSE first, then the expert groups in sorted order (the same
     order on every rank, so collectives on each group are issued in the same order everywhere)."""
     plan: dict[str, list[int]] = {}
@@ -64,7 +63,7 @@ class GroupedAllReduce:
     """Stage 0's overlapped all-reduce, one `OverlappedAllReduce` per reduction group
     ([Note: expert gradient reduction]); without experts it is exactly one over the dp group."""
 
-    def __init__(self, params: list[torch.Tensor], bucket_numel: int, dp_group: Any,
+    def __init__(self, params: Sequence[torch.Tensor], bucket_numel: int, dp_group: Any,
                  settings: PrecisionSettings) -> None:
         dp_world_size = comm.get_world_size(dp_group)
         self.members = list(reduction_plan(params).items())
@@ -95,7 +94,7 @@ class GroupedAllReduce:
             reducer.finish(self._local(reducer_index, grad_of))
 
 
-def expert_norm_groups(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Any]]:
+def expert_norm_groups(params: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Any]]:
     """[(gradients, group their squares are summed over)] for the norm ([Note: norm with experts]):
     ordinary gradients with group None (local), each expert group's with its expert-parallel group."""
     parts = []

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.zero.param_state import zero_state
 
 __all__ = [
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
@@ -103,10 +104,11 @@ def _stage3_piece(optimizer: Any, param: torch.nn.Parameter) -> _Piece:
     if slot is None:
         raise ValueError("safe_get/set_*: parameter not found in the optimizer (frozen?)")
     master = optimizer.fp32_flat[slot.sub_group]
-    size = param.partition_numel()
+    state = zero_state(param)
+    size = state.partition_numel
     group = getattr(param, "ds_process_group", None)   # an expert's: its expert-data-parallel group
     start = (optimizer.dp_rank if group is None else comm.get_rank(group)) * size
-    numel = max(0, min(size, param.ds_numel - start))
+    numel = max(0, min(size, state.numel - start))
     return _Piece(master.data, optimizer.grad_flat[slot.sub_group], master, slot.offset, start, numel, 3, group)
 
 
@@ -116,13 +118,13 @@ def _group_of(param: torch.nn.Parameter, piece: _Piece) -> Any:
 
 def _assemble(param: torch.nn.Parameter, piece: _Piece, flat: torch.Tensor) -> torch.Tensor:
     """The whole parameter from every rank's piece (a sum: each element is owned by one rank)."""
-    full = torch.zeros(param.ds_numel if piece.stage == 3 else param.numel(), dtype=torch.float32,
+    full = torch.zeros(zero_state(param).numel if piece.stage == 3 else param.numel(), dtype=torch.float32,
                        device=flat.device)
     if piece.numel:
         full.narrow(0, piece.param_start, piece.numel).copy_(flat.narrow(0, piece.flat_start, piece.numel))
     if piece.stage > 0:
         comm.all_reduce(full, group=_group_of(param, piece))
-    return full.view(param.ds_shape if piece.stage == 3 else param.shape)
+    return full.view(zero_state(param).shape if piece.stage == 3 else param.shape)
 
 
 def _scatter(piece: _Piece, flat: torch.Tensor, value: torch.Tensor) -> None:
@@ -193,38 +195,49 @@ def _local(param: torch.nn.Parameter) -> _Piece:
     return piece
 
 
+def _local_numel(param: torch.nn.Parameter) -> int:
+    """This rank's partition of a ZeRO-3 parameter (the `safe_*_local_*` functions are stage 3's)."""
+    return zero_state(param).partition_numel
+
+
+def _grad_flat(piece: _Piece) -> torch.Tensor:
+    if piece.grad is None:
+        raise ValueError("safe_get/set_local_grad: no gradient partition (called outside backward / step?)")
+    return piece.grad
+
+
 @torch.no_grad()
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     piece = _local(param)
-    return piece.master.narrow(0, piece.flat_start, param.partition_numel()).clone()
+    return piece.master.narrow(0, piece.flat_start, _local_numel(param)).clone()
 
 
 @torch.no_grad()
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     piece = _local(param)
-    piece.master.narrow(0, piece.flat_start, param.partition_numel()).copy_(value.reshape(-1))
+    piece.master.narrow(0, piece.flat_start, _local_numel(param)).copy_(value.reshape(-1))
 
 
 @torch.no_grad()
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     piece = _local(param)
-    return piece.grad.narrow(0, piece.flat_start, param.partition_numel()).float() / _loss_scale(param)
+    return _grad_flat(piece).narrow(0, piece.flat_start, _local_numel(param)).float() / _loss_scale(param)
 
 
 @torch.no_grad()
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     piece = _local(param)
-    piece.grad.narrow(0, piece.flat_start, param.partition_numel()).copy_(value.reshape(-1) * _loss_scale(param))
+    _grad_flat(piece).narrow(0, piece.flat_start, _local_numel(param)).copy_(value.reshape(-1) * _loss_scale(param))
 
 
 @torch.no_grad()
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
     piece = _local(param)
-    return _state_flat(param, piece, optim_state_key).narrow(0, piece.flat_start, param.partition_numel()).clone()
+    return _state_flat(param, piece, optim_state_key).narrow(0, piece.flat_start, _local_numel(param)).clone()
 
 
 @torch.no_grad()
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     piece = _local(param)
-    _state_flat(param, piece, optim_state_key).narrow(0, piece.flat_start, param.partition_numel()).copy_(
+    _state_flat(param, piece, optim_state_key).narrow(0, piece.flat_start, _local_numel(param)).copy_(
         value.reshape(-1))

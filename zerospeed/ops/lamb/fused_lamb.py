@@ -41,6 +41,7 @@ class FusedLamb(torch.optim.Optimizer):
 
     def _update(self, param: torch.Tensor, group: dict[str, Any], clip: float) -> float:
         dtype = torch.promote_types(param.dtype, torch.float32)  # low precision computes in fp32
+        assert param.grad is not None, "only parameters with a gradient are updated"
         grad = param.grad.to(dtype) * clip
         state = self.state[param]
         if not state:
@@ -71,5 +72,6 @@ class FusedLamb(torch.optim.Optimizer):
 def _clip_factor(params: list[torch.Tensor], max_grad_norm: float) -> float:
     if max_grad_norm <= 0 or not params:
         return 1.0
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params
+                                                  if p.grad is not None]))
     return min(1.0, max_grad_norm / (float(total) + 1e-6))

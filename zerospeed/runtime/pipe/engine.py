@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -59,7 +59,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
             self.optimizer.global_norm_fn = self._pipeline_scaled_norm
             # fp16 (and bf16's check_grad_overflow): every stage skips the same steps ([Note: pipeline fp16]).
             self.optimizer.model_parallel_group = self.grid.get_model_parallel_group()
-        self.module.tied_comms.start_tracking()
+        self._pipe_module.tied_comms.start_tracking()
         self.data_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.data_iterator = _repeat(self.training_dataloader)
@@ -75,6 +75,10 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+    @property
+    def _pipe_module(self) -> PipelineModule:
+        return cast(PipelineModule, self.module)
 
     def _pipe_stages(self, model: torch.nn.Module) -> int:
         return model.num_stages if isinstance(model, PipelineModule) else 1
@@ -133,7 +137,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         return self._schedule_steps[key]
 
     def _schedule(self, training: bool, micro_batches: int) -> PipeSchedule:
-        chunks = self.module.num_chunks
+        chunks = self._pipe_module.num_chunks
         if self.schedule_name == "interleaved_1f1b":
             return Interleaved1F1BSchedule(micro_batches, self.num_stages, self.stage_id, chunks, training=training)
         if not training:
@@ -195,7 +199,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         squares = sum_of_squares(grads.tensors).reshape(1).to(self.device)
         if grads.group is not None:
             comm.all_reduce(squares, group=grads.group)
-        squares -= self.module.tied_comms.duplicate_sq_norm(self.dp_group)
+        squares -= self._pipe_module.tied_comms.duplicate_sq_norm(self.dp_group)
         comm.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
         total = float(squares.item())
         return math.sqrt(max(total, 0.0)) if math.isfinite(total) else math.inf
@@ -220,7 +224,7 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         iter_time = self._batch_time_s / every
         self._batch_time_s = 0.0
         if self.global_rank == 0:
-            print(f"steps: {self.global_steps} loss: {float(self.agg_train_loss):0.4f} "
+            print(f"steps: {self.global_steps} loss: {float(self.agg_train_loss or 0.0):0.4f} "
                   f"iter time (s): {iter_time:0.3f} samples/sec: {self.train_batch_size() / iter_time:0.3f}")
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -264,9 +268,10 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
 
     def _broadcast_from_last(self, value: torch.Tensor | None) -> torch.Tensor:
         if self.num_stages == 1:
+            assert value is not None, "a single stage is the last stage"
             return value
         src = self.grid.stage_to_global(self.num_stages - 1)
-        result = value.detach().float().reshape(1).clone() if self.is_last_stage() \
+        result = value.detach().float().reshape(1).clone() if value is not None and self.is_last_stage() \
             else torch.zeros(1, dtype=torch.float32, device=self.device)
         comm.broadcast(result, src=src, group=self.grid.get_pipe_parallel_group())
         return result.reshape(())

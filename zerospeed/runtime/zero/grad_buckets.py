@@ -132,6 +132,7 @@ class GradReducer:
         its only reference."""
         self._scale(flat, self.before)
         mine = [s for s in slices if s.dp_rank == self.dp_rank]
+        keepalive: tuple[torch.Tensor, ...]   # what the collective reads or writes, until it is done
         if not self.use_reduce_scatter:
             handle = comm.all_reduce(flat, group=self.group, async_op=self.overlap_comm)
             summed, starts, keepalive = (lambda: flat), [s.bucket_offset for s in mine], (flat,)
