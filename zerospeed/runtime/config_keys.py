@@ -60,7 +60,10 @@ def _prepare(model_cls: type[BaseModel], data: Any, path: str, problems: list[st
         key_path = f"{path}.{key}" if path else str(key)
         field = fields.get(key)
         if field is None:
-            if key in accepted or (key not in known_elsewhere and suggest_key(str(key), [*fields, *accepted])):
+            if key in known_elsewhere:
+                warn_config(f"ds_config key '{key_path}' is ignored: DeepSpeed does not read it either "
+                            f"(it comes from {known_elsewhere[key]})")
+            elif key in accepted or suggest_key(str(key), [*fields, *accepted]):
                 out[key] = value  # translated by the model, or a typo pydantic reports with did-you-mean
             else:
                 warn_config(f"ds_config key '{key_path}' is not a key zerospeed knows; it is ignored")

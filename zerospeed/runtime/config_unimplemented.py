@@ -117,7 +117,7 @@ NOT_IMPLEMENTED: dict[str, Unimplemented] = {
 
 # zero_optimization keys DeepSpeed implements and zerospeed does not; always live when given.
 ZERO_NOT_IMPLEMENTED: dict[str, str] = {
-    "zenflow": "ZenFlow (stale, top-k selective optimizer updates); remove zero_optimization.zenflow",
+    "zenflow": "ZenFlow (stale, top-k selective optimizer updates)",
 }
 
 # Top-level keys DeepSpeed 0.19.8 ignores that real configs carry -> where they come from.
@@ -164,6 +164,6 @@ def _screen_zero(zero: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     for key, feature in ZERO_NOT_IMPLEMENTED.items():
         if zero.get(key) is not None:
             problems.append(f"zero_optimization.{key}: {feature} is not implemented by zerospeed, and ignoring "
-                            f"it would change the training run")
+                            f"it would change the training run: remove zero_optimization.{key}")
         zero.pop(key, None)
     return zero
