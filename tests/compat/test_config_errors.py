@@ -111,3 +111,27 @@ def test_live_unimplemented_sections_are_refused_by_name(outcomes, case):
                "data_efficiency_on": "data_efficiency", "autoep_on": "expert_parallel",
                "zenflow": "zero_optimization.zenflow"}[case]
     assert f"{section}: " in ours[case]["message"] and "not implemented by zerospeed" in ours[case]["message"]
+
+
+KEYS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "config_top_level_keys.py")
+# Read by deepspeed.initialize itself (the (data, sequence) mesh), not by DeepSpeedConfig.
+INITIALIZE_KEYS = ("sequence_parallel_size", "data_parallel_size")
+
+
+def test_every_deepspeed_top_level_key_has_a_status_and_a_table_row(tmp_path):
+    """The keys DeepSpeed 0.19.8's DeepSpeedConfig looks up (recorded while it builds a config) are
+    each a zerospeed field, or a section zerospeed refuses or warns about by rule; and each has its
+    row in docs/config.md's "Top-level sections" table."""
+    from compat_harness import REPO_ROOT, run_script
+
+    from zerospeed.runtime.config_root import DeepSpeedRootConfig
+    from zerospeed.runtime.config_unimplemented import NOT_IMPLEMENTED, REMOVED_UPSTREAM
+    from zerospeed.runtime.config_utils import valid_keys
+
+    keys = run_script(KEYS_SCRIPT, "deepspeed", str(tmp_path), world_size=1)[0]["keys"]
+    assert len(keys) > 50 and "zero_optimization" in keys and "progressive_layer_drop" in keys
+    known = set(valid_keys(DeepSpeedRootConfig)) | set(REMOVED_UPSTREAM) | set(NOT_IMPLEMENTED)
+    assert [key for key in [*keys, *INITIALIZE_KEYS] if key not in known] == []
+    page = open(os.path.join(REPO_ROOT, "docs", "config.md")).read()
+    table = page[page.index("## Top-level sections"):page.index("## A corpus of real configs")]
+    assert [key for key in [*keys, *INITIALIZE_KEYS] if f"`{key}`" not in table] == []
