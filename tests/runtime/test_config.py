@@ -259,14 +259,41 @@ def test_loss_scale_keys_under_bf16_warn_and_are_ignored():
     assert config.bf16_enabled and config.dynamic_loss_scale_args is None
 
 
-def test_unimplemented_keys_warn_once():
+def test_unimplemented_sections_that_cannot_change_the_numbers_warn_once_each():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config = _config({"amp": {"enabled": False}, "compile": {"deepcompile": True}, "hybrid_engine": {}})
-    config_warnings = [w for w in caught if issubclass(w.category, ConfigWarning)]
-    assert len(config_warnings) == 1
-    assert all(key in str(config_warnings[0].message) for key in ("amp", "compile", "hybrid_engine"))
+        config = _config({"compile": {"deepcompile": False}, "hybrid_engine": {"enabled": True},
+                          "torch_autocast": {"enabled": False}, "autotuning": {"enabled": True}})
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert len(messages) == 4
+    for key in ("compile", "hybrid_engine", "torch_autocast", "autotuning"):
+        assert sum(f"section '{key}'" in message for message in messages) == 1, (key, messages)
     assert config.train_batch_size == 8
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"progressive_layer_drop": {"enabled": False}}, "progressive_layer_drop: removed from DeepSpeed"),
+    ({"elasticity": {"enabled": True}}, "elasticity: removed from DeepSpeed"),
+    ({"amp": {"enabled": False}}, "amp: removed from DeepSpeed"),
+    ({"compile": {"deepcompile": True}}, "compile: DeepCompile"),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast: torch.autocast"),
+    ({"data_efficiency": {"enabled": True}}, "data_efficiency: data efficiency"),
+    ({"expert_parallel": {"enabled": True}}, "expert_parallel: AutoEP"),
+    ({"weight_quantization": {"post_init_quant": {"fc": {}}}}, "weight_quantization: ZeRO weight"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow: ZenFlow"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": -1}}, "zero_optimization.mics_shard_size: removed"),
+])
+def test_unimplemented_sections_that_would_change_the_numbers_are_refused_by_name(extra, named):
+    with pytest.raises(ConfigError) as info:
+        _config(extra)
+    assert named in str(info.value)
+
+
+def test_all_refusals_are_listed_at_once():
+    with pytest.raises(ConfigError) as info:
+        _config({"sparse_attention": {}, "compression_training": {}, "trian_batch_size": 2})
+    message = str(info.value)
+    assert "sparse_attention:" in message and "compression_training:" in message
 
 
 # ------------------------------------------------------------------------------------------

@@ -160,3 +160,27 @@ def test_sub_group_size_zero_is_one_parameter_per_sub_group_as_in_deepspeed():
     assert config.zero_config.sub_group_size == 0
     assert plan_sub_groups([5, 0, 7], 0) == [[0], [1], [2]]
     assert plan_sub_groups([5, 0, 7], 6) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("extra", [
+    {"comms_config": {"verbose": False}},                                   # LLaMA-Factory fp8 / ALST examples
+    {"monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor"}},        # the same files
+    {"_comment": "zero2 with AutoTP"},                                      # a JSON comment (near 'comet')
+])
+def test_keys_real_configs_carry_are_not_taken_for_typos(extra):
+    """Near-misses of real keys (comms_logger, comet) that are themselves keys of published configs
+    DeepSpeed ignores: one warning naming the key, never a did-you-mean error."""
+    config, messages = _config_warnings(extra)
+    assert config.train_batch_size == 8
+    assert len(messages) == 1 and f"'{next(iter(extra))}'" in messages[0] and "ignored" in messages[0]
+
+
+def test_data_parallel_size_is_a_deepspeed_key():
+    """`initialize` reads it beside sequence_parallel_size (the (data, sequence) mesh): no warning."""
+    config, messages = _config_warnings({"data_parallel_size": 1})
+    assert messages == [] and config.model.data_parallel_size == 1
+
+
+def test_a_typo_of_a_known_elsewhere_key_still_fails():
+    with pytest.raises(ConfigError, match="did you mean 'comms_logger'"):
+        _config({"comms_loger": {"enabled": True}})

@@ -3,8 +3,12 @@
 Clients add keys DeepSpeed never defined, and DeepSpeed itself ignores any key it does not read.
 zerospeed is stricter about typos and more forgiving about additions:
 
+* a DeepSpeed section zerospeed does not implement is refused or dropped with a warning, by the
+  section's own rule (config_unimplemented, applied first, at the top level);
 * an unknown key that is a near-miss of a real key of its section (``"stage3_prefech_bucket_size"``)
-  is an error with a did-you-mean (pydantic reports it: the key is left in place);
+  is an error with a did-you-mean (pydantic reports it: the key is left in place), unless it is
+  itself a key real configs carry that DeepSpeed ignores (``"comms_config"``, the model's
+  ``known_elsewhere_keys``);
 * any other unknown key (``"msamp"``, a newer DeepSpeed key) is dropped with one warning naming
   its path, so a client's addition never breaks a run;
 * a dotted top-level key (TRL sends ``"zero_optimization.reduce_bucket_size"``) is applied as the
@@ -45,14 +49,21 @@ def _prepare(model_cls: type[BaseModel], data: Any, path: str, problems: list[st
         return data
     if not path:
         data = apply_dotted_keys(model_cls, data)
+        screen = getattr(model_cls, "screen_top_level", None)
+        if screen is not None:  # DeepSpeed sections zerospeed does not implement: refused or dropped
+            data = screen(data, problems)
     fields = _fields_by_spelling(model_cls)
     accepted = set(getattr(model_cls, "deprecated_keys", {})) | set(getattr(model_cls, "accepted_keys", ()))
+    known_elsewhere = getattr(model_cls, "known_elsewhere_keys", {})
     out: dict[str, Any] = {}
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else str(key)
         field = fields.get(key)
         if field is None:
-            if key in accepted or suggest_key(str(key), [*fields, *accepted]):
+            if key in known_elsewhere:
+                warn_config(f"ds_config key '{key_path}' is ignored: DeepSpeed does not read it either "
+                            f"(it comes from {known_elsewhere[key]})")
+            elif key in accepted or suggest_key(str(key), [*fields, *accepted]):
                 out[key] = value  # translated by the model, or a typo pydantic reports with did-you-mean
             else:
                 warn_config(f"ds_config key '{key_path}' is not a key zerospeed knows; it is ignored")

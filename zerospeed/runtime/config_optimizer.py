@@ -14,10 +14,14 @@ from pydantic import Field, field_validator, model_validator
 
 from zerospeed.runtime.config_utils import AUTO, ConfigKeyError, DeepSpeedConfigModel, suggest_key
 
-__all__ = ["DEEPSPEED_OPTIMIZERS", "DEEPSPEED_SCHEDULERS", "OptimizerConfig", "SchedulerConfig"]
+__all__ = ["DEEPSPEED_OPTIMIZERS", "DEEPSPEED_SCHEDULERS", "REMOVED_OPTIMIZERS", "OptimizerConfig",
+           "SchedulerConfig"]
 
-DEEPSPEED_OPTIMIZERS = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad",
-                        "lion", "muadam", "muadamw", "musgd", "muon")
+DEEPSPEED_OPTIMIZERS = ("adam", "adamw", "lamb", "adagrad", "lion", "muadam", "muadamw", "musgd", "muon")
+"""DeepSpeed 0.19.8's names, matched in any case and reported lower-cased (`optimizer_name`)."""
+REMOVED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+"""Names DeepSpeed 0.19.8 no longer builds: a config naming one loads (its name kept as written, as
+DeepSpeed keeps it) and `initialize` refuses it (optimizer_factory), where DeepSpeed fails too."""
 DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
@@ -31,7 +35,7 @@ class OptimizerConfig(DeepSpeedConfigModel):
     @field_validator("type")
     @classmethod
     def _known_type(cls, name: str | None) -> str | None:
-        if name is None or name.lower() in DEEPSPEED_OPTIMIZERS:
+        if name is None or name.lower() in DEEPSPEED_OPTIMIZERS or name.lower() in REMOVED_OPTIMIZERS:
             return name
         if isinstance(getattr(torch.optim, name, None), type):
             return name

@@ -24,6 +24,12 @@ from zerospeed.runtime.config_sections import (
     PipelineConfig,
     TimersConfig,
 )
+from zerospeed.runtime.config_unimplemented import (
+    KNOWN_ELSEWHERE,
+    NOT_IMPLEMENTED,
+    REMOVED_UPSTREAM,
+    screen_sections,
+)
 from zerospeed.runtime.config_utils import DeepSpeedConfigModel, parse_dtype, warn_config
 from zerospeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
@@ -31,13 +37,8 @@ from zerospeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 
 __all__ = ["UNIMPLEMENTED_KEYS", "DeepSpeedRootConfig"]
 
-UNIMPLEMENTED_KEYS = (
-    "amp", "msamp", "compile", "hybrid_engine", "elasticity", "compression_training",
-    "autotuning", "sparse_attention", "curriculum_learning", "data_efficiency", "quantize_training",
-    "nebula", "datastates", "zenflow", "eigenvalue", "progressive_layer_drop", "sparse_gradients",
-    "graph_harvesting", "torch_autocast", "expert_parallel",
-    "weight_quantization", "disable_python_gc",
-)
+UNIMPLEMENTED_KEYS = (*REMOVED_UPSTREAM, *NOT_IMPLEMENTED)
+"""DeepSpeed 0.19.8's top-level sections zerospeed does not implement (config_unimplemented)."""
 
 CommDtype = Annotated[torch.dtype | None, BeforeValidator(parse_dtype)]
 
@@ -49,7 +50,7 @@ def _section(model: type[DeepSpeedConfigModel]) -> Any:
 class DeepSpeedRootConfig(DeepSpeedConfigModel):
     """Every top-level ds_config key, with DeepSpeed's defaults."""
 
-    accepted_keys: ClassVar[tuple[str, ...]] = UNIMPLEMENTED_KEYS
+    known_elsewhere_keys: ClassVar[dict[str, str]] = KNOWN_ELSEWHERE
 
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
@@ -91,6 +92,8 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
     vocabulary_size: int | None = Field(None, ge=1)
     sequence_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int | None = Field(None, ge=1)
+    """With sequence_parallel_size, the data axis of the (data, sequence) mesh; `initialize` reads both."""
     use_data_before_expert_parallelism: bool = False
     """MoE group layout: expert-data-parallel ranks consecutive ("D + E") instead of expert-parallel ones."""
     managed_gradient_accumulation: bool = True
@@ -99,17 +102,17 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     disable_allgather: bool = False
 
 
+    @classmethod
+    def screen_top_level(cls, data: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+        """Called by the key rules before anything else ([Note: refuse or warn] in config_unimplemented)."""
+        return screen_sections(data, problems)
+
     @model_validator(mode="before")
     @classmethod
     def _translate_top_level(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        present = [key for key in UNIMPLEMENTED_KEYS if key in data]
-        if present:
-            warn_config(f"ds_config keys not implemented by zerospeed are accepted and ignored: {present}")
-            for key in present:
-                del data[key]
         if isinstance(data.get("zero_optimization"), bool):
             warn_config('"zero_optimization": true/false is deprecated; use {"stage": N}')
             enabled = data.pop("zero_optimization")

@@ -130,17 +130,17 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)
     """Stage 3: modules gathered whole, their children unhooked ([Note: ZeRO-3 leaf modules])."""
     zenflow: dict[str, Any] | None = None
-    """ZenFlow (not implemented: accepted with a warning)."""
+    """ZenFlow (not implemented: refused when given, config_unimplemented)."""
     parameter_alignment: bool = False
     """Stage 1/2: start each param of the flat buffer on a 16-byte boundary."""
     compute_grad_norm: bool = True
     """Stage 1/2: compute and keep the global gradient norm."""
     mics_shard_size: int = -1
-    """MiCS (removed in DeepSpeed 0.19.8; not implemented)."""
+    """MiCS (removed in DeepSpeed 0.19.8; refused when given, as DeepSpeed does)."""
     mics_hierarchical_params_gather: bool = False
-    """MiCS (removed in DeepSpeed 0.19.8; not implemented)."""
+    """MiCS (removed in DeepSpeed 0.19.8; refused when given, as DeepSpeed does)."""
     zeropp_loco_param: dict[str, Any] | None = None
-    """ZeRO++ LoCo (removed in DeepSpeed 0.19.8; not implemented)."""
+    """ZeRO++ LoCo (removed in DeepSpeed 0.19.8; refused when given, as DeepSpeed does)."""
 
     @field_validator("stage", mode="before")
     @classmethod
@@ -176,10 +176,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         if self.offload_param is not None and self.offload_param.enabled and self.stage != 3:
             warn_config(f"zero_optimization.offload_param only applies to ZeRO stage 3; it is ignored "
                         f"at stage {int(self.stage)}")
-        unimplemented = [key for key in ("zenflow", "zeropp_loco_param") if getattr(self, key) is not None]
-        unimplemented += ["mics_shard_size"] * (self.mics_shard_size > 0)
-        if unimplemented:
-            warn_config(f"zero_optimization keys not implemented by zerospeed are ignored: {unimplemented}")
+        # zenflow, MiCS and LoCo are refused before validation (config_unimplemented).
         if not self.compute_grad_norm and self.stage == 3:
             raise ValueError("compute_grad_norm=false is only supported for ZeRO stages 1 and 2")
         return self
