@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from zerospeed.runtime.config import DeepSpeedConfig, DeepSpeedRootConfig, load_ds_config
-from zerospeed.runtime.config_utils import ConfigError, ConfigWarning, DeepSpeedConfigError, validate_section
+from zerospeed.runtime.config_keys import validate_section
+from zerospeed.runtime.config_utils import ConfigError, ConfigWarning, DeepSpeedConfigError
 from zerospeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 from zerospeed.runtime.zero.offload_config import OffloadDeviceEnum
 

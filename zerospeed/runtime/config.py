@@ -19,7 +19,8 @@ from zerospeed.runtime.config_loading import auto_key_paths, load_ds_config
 from zerospeed.runtime.config_optimizer import DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS
 from zerospeed.runtime.config_root import UNIMPLEMENTED_KEYS, DeepSpeedRootConfig
 from zerospeed.runtime.config_sections import AioConfig
-from zerospeed.runtime.config_utils import ConfigError, validate_section
+from zerospeed.runtime.config_keys import validate_section
+from zerospeed.runtime.config_utils import ConfigError
 from zerospeed.utils.logging import logger
 
 __all__ = [

@@ -26,11 +26,21 @@ import typing
 from enum import IntEnum
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from zerospeed.runtime.config_utils import AUTO, ConfigError, model_in, suggest_key, warn_config
+from zerospeed.runtime.config_utils import (
+    AUTO,
+    ConfigError,
+    ConfigKeyError,
+    ModelT,
+    _model_at,
+    model_in,
+    suggest_key,
+    valid_keys,
+    warn_config,
+)
 
-__all__ = ["apply_dotted_keys", "prepare_tree"]
+__all__ = ["apply_dotted_keys", "prepare_tree", "validate_section"]
 
 _SCALARS = (int, float, bool)
 
@@ -155,3 +165,34 @@ def _is_scalar(annotation: Any) -> bool:
 def _kind(annotation: Any) -> str:
     kinds = _scalar_types(annotation) or set()
     return "a boolean (true/false)" if kinds == {bool} else "a number"
+
+
+def validate_section(model_cls: type[ModelT], data: Any, path: str = "") -> ModelT:
+    """Validate `data` as `model_cls`; any problem becomes one `ConfigError` listing every key path.
+
+    The key rules of config_keys (unknown keys, dotted keys, strings for numbers) run first."""
+    data = prepare_tree(model_cls, {} if data is None else data, path)
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(model_cls, error, path) for error in exc.errors()]
+        raise ConfigError("Invalid DeepSpeed config:\n  " + "\n  ".join(lines)) from None
+
+
+def _describe(model_cls: type[BaseModel], error: Any, prefix: str) -> str:
+    loc = [str(part) for part in error["loc"]]
+    exc = (error.get("ctx") or {}).get("error")
+    if isinstance(exc, ConfigKeyError):
+        loc.append(exc.key)
+    key_path = ".".join(([prefix] if prefix else []) + loc) or "ds_config"
+    if error["type"] == "extra_forbidden":
+        owner = _model_at(model_cls, loc[:-1])
+        hint = suggest_key(loc[-1], valid_keys(owner)) if owner is not None else ""
+        section = ".".join(([prefix] if prefix else []) + loc[:-1]) or "the top level"
+        return f"{key_path}: unknown key in {section}{hint}"
+    message = str(error["msg"])
+    for noise in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(noise)
+    given = error.get("input")
+    shown = "" if error["type"] in ("value_error", "assertion_error") or isinstance(given, dict) else f" (got {given!r})"
+    return f"{key_path}: {message}{shown}"

@@ -10,7 +10,7 @@ sees a section, in `DeepSpeedConfigModel._prepare_input`:
 * a key listed in the class's ``deprecated_keys`` is renamed (or dropped) with a `ConfigWarning`;
 * nothing else is forgiven: an unknown key or a value of the wrong type is an error.
 
-A pydantic `ValidationError` never reaches the user. `validate_section` turns it into a
+A pydantic `ValidationError` never reaches the user. `validate_section` (config_keys.py) turns it into a
 `ConfigError` with one line per problem, each naming the full key path
 (``zero_optimization.offload_optimizer.devic``) and, for an unknown key, the closest valid key.
 """
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, model_validator
 
 __all__ = [
     "AUTO",
@@ -38,7 +38,6 @@ __all__ = [
     "model_in",
     "parse_dtype",
     "suggest_key",
-    "validate_section",
     "warn_config",
 ]
 
@@ -149,39 +148,6 @@ def suggest_key(key: str, valid_keys: Iterable[str]) -> str:
     """`"; did you mean 'x'?"` for the closest valid key, or "" when nothing is close."""
     matches = difflib.get_close_matches(key, list(valid_keys), n=1, cutoff=0.6)
     return f"; did you mean '{matches[0]}'?" if matches else ""
-
-
-def validate_section(model_cls: type[ModelT], data: Any, path: str = "") -> ModelT:
-    """Validate `data` as `model_cls`; any problem becomes one `ConfigError` listing every key path.
-
-    The key rules of config_keys (unknown keys, dotted keys, strings for numbers) run first."""
-    from zerospeed.runtime.config_keys import prepare_tree
-
-    data = prepare_tree(model_cls, {} if data is None else data, path)
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as exc:
-        lines = [_describe(model_cls, error, path) for error in exc.errors()]
-        raise ConfigError("Invalid DeepSpeed config:\n  " + "\n  ".join(lines)) from None
-
-
-def _describe(model_cls: type[BaseModel], error: Any, prefix: str) -> str:
-    loc = [str(part) for part in error["loc"]]
-    exc = (error.get("ctx") or {}).get("error")
-    if isinstance(exc, ConfigKeyError):
-        loc.append(exc.key)
-    key_path = ".".join(([prefix] if prefix else []) + loc) or "ds_config"
-    if error["type"] == "extra_forbidden":
-        owner = _model_at(model_cls, loc[:-1])
-        hint = suggest_key(loc[-1], valid_keys(owner)) if owner is not None else ""
-        section = ".".join(([prefix] if prefix else []) + loc[:-1]) or "the top level"
-        return f"{key_path}: unknown key in {section}{hint}"
-    message = str(error["msg"])
-    for noise in ("Value error, ", "Assertion failed, "):
-        message = message.removeprefix(noise)
-    given = error.get("input")
-    shown = "" if error["type"] in ("value_error", "assertion_error") or isinstance(given, dict) else f" (got {given!r})"
-    return f"{key_path}: {message}{shown}"
 
 
 def valid_keys(model_cls: type[BaseModel]) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerospeed.runtime.config_sections import ActivationCheckpointingConfig
-from zerospeed.runtime.config_utils import validate_section
+from zerospeed.runtime.config_keys import validate_section
 
 __all__ = ["DeepSpeedActivationCheckpointingConfig", "activation_checkpointing_block"]
 

@@ -204,7 +204,7 @@ def init_settings(config: Any) -> InitSettings | None:
     if config is None:
         return None
     from zerospeed.runtime.config import DeepSpeedRootConfig, load_ds_config
-    from zerospeed.runtime.config_utils import validate_section
+    from zerospeed.runtime.config_keys import validate_section
 
     root = getattr(config, "model", None)
     if not isinstance(root, DeepSpeedRootConfig):
