@@ -53,6 +53,7 @@ class InferenceEngine(torch.nn.Module):
         self._model_times: list[float] = []
         self._refuse_moe()
         self._convert_to_dtype(config)
+        self._tie_empty_weights()
         self.mp_group = self._init_tensor_parallel(config)
         self.tp_plan: dict[str, Partition] = {}
         if self.mp_group is not None:
@@ -78,6 +79,13 @@ class InferenceEngine(torch.nn.Module):
     def _convert_to_dtype(self, config: DeepSpeedInferenceConfig) -> None:
         if config.dtype in (torch.float16, torch.bfloat16, torch.float32):
             self.module.to(config.dtype)
+
+    def _tie_empty_weights(self) -> None:
+        # A model built on the meta device (accelerate's init_empty_weights) lost its tied output
+        # head: re-tie it before the cut, so the plan sees it tied (replicated) and the checkpoint's
+        # one embedding fills both (HF's from_pretrained ties after loading; DeepSpeed re-ties too).
+        if hasattr(self.module, "tie_weights") and any(p.is_meta for p in self.module.parameters()):
+            self.module.tie_weights()
 
     def _init_tensor_parallel(self, config: DeepSpeedInferenceConfig) -> Any:
         tp = config.tensor_parallel
