@@ -50,6 +50,22 @@ def test_plain_torchrun_without_local_size(tmp_path) -> None:
     _check(str(tmp_path), None)
 
 
+def test_checkpoint_load_peak_rss_stays_below_a_full_copy(tmp_path) -> None:
+    """Each rank's peak RSS rises by about its shards (+ one tensor and noise) while loading a
+    ~84 MB fp32 Llama from safetensors at tp 2: well below one full copy of the model."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from rss_script import write_checkpoint
+
+    write_checkpoint(str(tmp_path / "ckpt"))
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+          os.path.join(os.path.dirname(SCRIPT), "rss_script.py"), str(tmp_path), str(tmp_path / "ckpt")])
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as handle:
+            report = json.load(handle)
+        assert report["shard_bytes"] < 0.65 * report["model_bytes"]
+        assert report["rise"] < 0.85 * report["model_bytes"], (rank, report)
+
+
 def test_zerospeed_launcher(tmp_path) -> None:
     _run([sys.executable, "-m", "zerospeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_port()),
           SCRIPT, str(tmp_path), *KINDS])

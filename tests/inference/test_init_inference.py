@@ -222,3 +222,23 @@ def test_injection_policy_names_the_row_parallel_layers() -> None:
         assert result["diff"] <= TOL and result["tokens"]
         assert result["styles"]["self_attn.o_proj"] == "row" and result["styles"]["mlp.down_proj"] == "row"
         assert result["styles"]["self_attn.q_proj"] == "column" and result["head"] == "skip"
+
+
+def test_safetensors_slices_equal_safetensors_own_reads(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from zerospeed.inference.safetensors_slices import SafetensorsSlices
+
+    generator = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(6, 8, generator=generator), "b": torch.randn(4, 6, 10).to(torch.bfloat16),
+               "c": torch.arange(12, dtype=torch.int64), "s": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"format": "pt"})
+    expected = load_file(str(tmp_path / "t.safetensors"))
+    with SafetensorsSlices(str(tmp_path / "t.safetensors")) as handle:
+        assert sorted(handle.keys()) == sorted(tensors) and handle.shape("b") == (4, 6, 10)
+        for key in tensors:
+            assert torch.equal(handle.read(key), expected[key]), key
+        for key, index in (("a", (slice(2, 5), slice(None))), ("a", (slice(None), slice(4, 8))),
+                           ("b", (slice(None), slice(None), slice(3, 7))), ("b", (slice(None), slice(0, 3))),
+                           ("c", (slice(6, 12),))):
+            assert torch.equal(handle.read(key, index), expected[key][index]), (key, index)

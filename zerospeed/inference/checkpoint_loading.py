@@ -12,8 +12,8 @@ Sources, as DeepSpeed's AutoTP accepts them plus Hugging Face's layout:
 [Note: reading slices, not copies]
 The model is cut first (its parameters may be on the meta device: no memory at all), so every
 parameter knows which piece of the full tensor it holds (its `TPShard`). A ``.safetensors``
-tensor is read with ``safe_open(...).get_slice``: only this rank's rows or columns are copied out
-of the file, one tensor at a time. A torch file is memory-mapped (``torch.load(mmap=True)``) and
+tensor is read slice by slice with plain file reads (safetensors_slices.py, which says why not
+``safe_open``): only this rank's rows or columns are copied out of the file, one tensor at a time. A torch file is memory-mapped (``torch.load(mmap=True)``) and
 sliced the same way. So a rank's private memory grows by its shards, never by a whole copy of
 the model. A parameter nothing loaded that is still on the meta device is an error naming it.
 """
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from zerospeed.inference.safetensors_slices import SafetensorsSlices
 from zerospeed.runtime.tensor_parallel.layers import TPShard
 from zerospeed.utils.logging import logger
 
@@ -101,16 +102,9 @@ Reader = Callable[[tuple[slice, ...] | None], torch.Tensor]
 
 
 def _safetensors_tensors(path: str) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as handle:
-        for key in handle.keys():
-            sliced = handle.get_slice(key)
-            shape = tuple(sliced.get_shape())
-
-            def read(index: tuple[slice, ...] | None, sliced: Any = sliced, key: str = key) -> torch.Tensor:
-                return handle.get_tensor(key) if index is None else sliced[index]
-            yield key, shape, read
+    with SafetensorsSlices(path) as handle:   # [Note: why not safe_open]
+        for key in list(handle.keys()):
+            yield key, handle.shape(key), lambda index, key=key: handle.read(key, index)
 
 
 def _torch_tensors(path: str) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
@@ -133,7 +127,8 @@ def _read(shape: tuple[int, ...], read: Reader, shard: TPShard | None, name: str
     if shape[shard.dim] % (shard.fused_parts * shard.tp_size):
         raise ValueError(f"init_inference checkpoint: {name} has shape {list(shape)}, which does not split "
                          f"into {shard.fused_parts} part(s) x {shard.tp_size} ranks along dim {shard.dim}")
-    return torch.cat([read(index) for index in slice_index(shape, shard)], dim=shard.dim)
+    pieces = [read(index) for index in slice_index(shape, shard)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
 
 
 class _Targets:

@@ -1,0 +1,89 @@
+"""Read slices of tensors out of a ``.safetensors`` file with plain file reads (no memory map).
+
+[Note: why not safe_open]
+``safetensors.safe_open`` memory-maps the file; every page a slice touches (all of them for a
+slice along the last dim) then counts in the process's resident memory until the file is
+closed, so a rank reading "only its half" still shows a whole model's pages. This reader parses
+the header (8-byte little-endian length, then JSON: dtype, shape, data_offsets per tensor) and
+reads each contiguous run of the slice straight into the output tensor with ``readinto``: a rank's
+memory grows by the slices it keeps and nothing else (the kernel's page cache is shared, not
+this process's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["SafetensorsSlices"]
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class SafetensorsSlices:
+    """One open ``.safetensors`` file: its tensors' shapes, and reads of whole tensors or of one
+    contiguous range along one dimension."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close() / the context manager
+        (header_len,) = struct.unpack("<Q", self._file.read(8))
+        header: dict[str, Any] = json.loads(self._file.read(header_len))
+        header.pop("__metadata__", None)
+        self._data_start = 8 + header_len
+        self._header = header
+
+    def __enter__(self) -> SafetensorsSlices:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._header)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._header[key]["shape"])
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor ``key``, or its ``index``: full slices except one ``slice(start, stop)``."""
+        info = self._header[key]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {key} has dtype {info['dtype']}, which zerospeed cannot read")
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+        begin = self._data_start + info["data_offsets"][0]
+        dim, start, stop = _the_split(shape, index)
+        out_shape = (*shape[:dim], stop - start, *shape[dim + 1:])
+        out = torch.empty(out_shape, dtype=dtype)
+        itemsize = out.element_size()
+        inner = math.prod(shape[dim + 1:]) * itemsize
+        run = (stop - start) * inner
+        target = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        for outer in range(math.prod(shape[:dim])):   # one contiguous run per index of the leading dims
+            self._file.seek(begin + outer * shape[dim] * inner + start * inner)
+            if self._file.readinto(target[outer * run:(outer + 1) * run]) != run:
+                raise ValueError(f"{self.path}: tensor {key} is truncated")
+        return out
+
+
+def _the_split(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple[int, int, int]:
+    """(dim, start, stop) of the one sliced dimension; the whole tensor as dim 0 when none is."""
+    if index is None or not shape:
+        return 0, 0, shape[0] if shape else 1
+    split = [(d, s) for d, s in enumerate(index) if s != slice(None)]
+    if len(split) > 1:
+        raise ValueError(f"only one sliced dimension is supported, got {index}")
+    if not split:
+        return 0, 0, shape[0]
+    dim, sl = split[0]
+    return dim, sl.start or 0, shape[dim] if sl.stop is None else sl.stop
