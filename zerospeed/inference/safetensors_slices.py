@@ -62,24 +62,30 @@ class SafetensorsSlices:
             raise ValueError(f"{self.path}: tensor {key} has dtype {info['dtype']}, which zerospeed cannot read")
         dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
         begin = self._data_start + info["data_offsets"][0]
+        if index is None or not shape:   # the whole tensor: one run
+            out = torch.empty(shape, dtype=dtype)
+            self._read_runs(key, out, begin, 1, out.numel() * out.element_size(), 0)
+            return out
         dim, start, stop = _the_split(shape, index)
-        out_shape = (*shape[:dim], stop - start, *shape[dim + 1:])
-        out = torch.empty(out_shape, dtype=dtype)
-        itemsize = out.element_size()
-        inner = math.prod(shape[dim + 1:]) * itemsize
-        run = (stop - start) * inner
-        target = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        for outer in range(math.prod(shape[:dim])):   # one contiguous run per index of the leading dims
-            self._file.seek(begin + outer * shape[dim] * inner + start * inner)
-            if self._file.readinto(target[outer * run:(outer + 1) * run]) != run:
-                raise ValueError(f"{self.path}: tensor {key} is truncated")
+        out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1:]), dtype=dtype)
+        inner = math.prod(shape[dim + 1:]) * out.element_size()
+        # one contiguous run per index of the leading dims, each a row of the full tensor apart
+        self._read_runs(key, out, begin + start * inner, math.prod(shape[:dim]), (stop - start) * inner,
+                        shape[dim] * inner)
         return out
 
+    def _read_runs(self, key: str, out: torch.Tensor, first: int, count: int, run: int, stride: int) -> None:
+        if out.numel() == 0:
+            return
+        target = memoryview(out.view(-1).view(torch.uint8).numpy())
+        for i in range(count):
+            self._file.seek(first + i * stride)
+            if self._file.readinto(target[i * run:(i + 1) * run]) != run:
+                raise ValueError(f"{self.path}: tensor {key} is truncated")
 
-def _the_split(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple[int, int, int]:
+
+def _the_split(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, int, int]:
     """(dim, start, stop) of the one sliced dimension; the whole tensor as dim 0 when none is."""
-    if index is None or not shape:
-        return 0, 0, shape[0] if shape else 1
     split = [(d, s) for d, s in enumerate(index) if s != slice(None)]
     if len(split) > 1:
         raise ValueError(f"only one sliced dimension is supported, got {index}")
