@@ -104,7 +104,9 @@ Reader = Callable[[tuple[slice, ...] | None], torch.Tensor]
 def _safetensors_tensors(path: str) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
     with SafetensorsSlices(path) as handle:   # [Note: why not safe_open]
         for key in list(handle.keys()):
-            yield key, handle.shape(key), lambda index, key=key: handle.read(key, index)
+            def read(index: tuple[slice, ...] | None, key: str = key) -> torch.Tensor:
+                return handle.read(key, index)
+            yield key, handle.shape(key), read
 
 
 def _torch_tensors(path: str) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
@@ -114,7 +116,9 @@ def _torch_tensors(path: str) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
         state = state.get("module", state.get("model"))
     for key, tensor in state.items():
         if torch.is_tensor(tensor):
-            yield key, tuple(tensor.shape), lambda index, t=tensor: (t if index is None else t[index]).clone()
+            def read(index: tuple[slice, ...] | None, tensor: torch.Tensor = tensor) -> torch.Tensor:
+                return (tensor if index is None else tensor[index]).clone()   # copies out of the mapped file
+            yield key, tuple(tensor.shape), read
 
 
 def _tensors(path: str) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
@@ -154,16 +158,17 @@ class _Targets:
                     owners.append((module, leaf, is_param))
 
     def assign(self, old: torch.Tensor, value: torch.Tensor) -> None:
-        value = value.to(dtype=old.dtype)
+        new = value.to(dtype=old.dtype)
         if isinstance(old, torch.nn.Parameter):
-            new: torch.Tensor = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+            new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
             for attr in ("ds_tp_shard", "tensor_model_parallel"):
                 if hasattr(old, attr):
                     setattr(new, attr, getattr(old, attr))
-        else:
-            new = value
         for module, leaf, is_param in self.owners[id(old)]:
-            (module._parameters if is_param else module._buffers)[leaf] = new
+            if is_param:
+                module._parameters[leaf] = new  # type: ignore[assignment]  # a Parameter, built above
+            else:
+                module._buffers[leaf] = new
         self.owners[id(new)], self.names[id(new)] = self.owners.pop(id(old)), self.names.pop(id(old))
         for name in self.names[id(new)]:
             self.by_name[name] = new

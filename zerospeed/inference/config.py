@@ -106,14 +106,14 @@ class DeepSpeedInferenceConfig(DeepSpeedConfigModel):
     """Inference kernels: refused ([Note: what inference refuses])."""
     dtype: Dtype = torch.float16
     """The model is converted to this dtype first (DeepSpeed's default: fp16)."""
-    tensor_parallel: DeepSpeedTPConfig = Field(default_factory=DeepSpeedTPConfig, alias="tp")
+    tensor_parallel: DeepSpeedTPConfig = Field(default_factory=DeepSpeedTPConfig, alias="tp")  # type: ignore[arg-type]
     enable_cuda_graph: bool = False
     use_triton: bool = False
     triton_autotune: bool = False
     zero: dict[str, Any] = {}
     """ZeRO-Inference settings; DeepSpeed's InferenceEngine does not read them (accepted)."""
     triangular_masking: bool = Field(True, alias="tm")
-    moe: bool | DeepSpeedMoEConfig = Field(default_factory=DeepSpeedMoEConfig)
+    moe: bool | DeepSpeedMoEConfig = Field(default_factory=DeepSpeedMoEConfig)  # type: ignore[arg-type]
     keep_module_on_host: bool = False
     """Leave the module on the host instead of moving it to the accelerator's device."""
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig)

@@ -36,6 +36,7 @@ class InferenceEngine(torch.nn.Module):
     """A model prepared for inference: ``engine(...)`` runs ``engine.module(...)``."""
 
     inference_mp_group: ClassVar[Any] = None   # DeepSpeed's class attribute: the last tp group built
+    module: torch.nn.Module
 
     def __init__(self, model: torch.nn.Module, config: DeepSpeedInferenceConfig) -> None:
         super().__init__()
@@ -85,7 +86,7 @@ class InferenceEngine(torch.nn.Module):
         # head: re-tie it before the cut, so the plan sees it tied (replicated) and the checkpoint's
         # one embedding fills both (HF's from_pretrained ties after loading; DeepSpeed re-ties too).
         if hasattr(self.module, "tie_weights") and any(p.is_meta for p in self.module.parameters()):
-            self.module.tie_weights()
+            getattr(self.module, "tie_weights")()  # noqa: B009 - an HF method, not typed on nn.Module
 
     def _init_tensor_parallel(self, config: DeepSpeedInferenceConfig) -> Any:
         tp = config.tensor_parallel
@@ -131,13 +132,13 @@ class InferenceEngine(torch.nn.Module):
 
     def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
         if hasattr(self.module, "reset_cache"):
-            self.module.reset_cache()
+            getattr(self.module, "reset_cache")()  # noqa: B009
         ids = kwargs.get("input_ids", inputs[0] if inputs and torch.is_tensor(inputs[0]) else None)
         if ids is not None and ids.dim() == 2 and ids.shape[-1] > self._config.max_out_tokens:
             raise RuntimeError(f"Input with size {ids.shape[-1]} exceeds maximum length of "
                                f"{self._config.max_out_tokens}. Please increase max_tokens in the DeepSpeed "
                                "Inference Config.")
-        return self.module.generate(*inputs, **kwargs)
+        return getattr(self.module, "generate")(*inputs, **kwargs)  # noqa: B009
 
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
         """Record each forward's wall time in milliseconds (`model_times`)."""

@@ -77,7 +77,7 @@ class SafetensorsSlices:
     def _read_runs(self, key: str, out: torch.Tensor, first: int, count: int, run: int, stride: int) -> None:
         if out.numel() == 0:
             return
-        target = memoryview(out.view(-1).view(torch.uint8).numpy())
+        target = out.view(-1).view(torch.uint8).numpy().data
         for i in range(count):
             self._file.seek(first + i * stride)
             if self._file.readinto(target[i * run:(i + 1) * run]) != run:
