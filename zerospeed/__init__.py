@@ -81,6 +81,17 @@ def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kw
     return model
 
 
+def init_inference(model: Any, config: Any = None, **kwargs: Any) -> Any:
+    """DeepSpeed's inference entry point: ``config`` (a dict or a JSON path) merged with the keyword
+    arguments (a key given both ways must agree); returns an `InferenceEngine` whose module is cut
+    by AutoTP when ``tensor_parallel={"tp_size": N}`` > 1 (docs/inference.md)."""
+    from zerospeed.inference.config import resolve_inference_config
+    from zerospeed.inference.engine import InferenceEngine
+
+    log_dist(f"zerospeed info: version={__version__}", ranks=[0])
+    return InferenceEngine(model, config=resolve_inference_config(config, kwargs))
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's argparse group: --deepspeed, --deepspeed_config (and the deprecated deepscale)."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
@@ -110,6 +121,10 @@ def __getattr__(name: str) -> Any:
         from zerospeed.accelerator import get_accelerator
 
         return get_accelerator
+    if name == "InferenceEngine":
+        from zerospeed.inference.engine import InferenceEngine
+
+        return InferenceEngine
     if name == "DeepSpeedEngine":
         from zerospeed.runtime.engine import DeepSpeedEngine
 
@@ -133,5 +148,5 @@ __all__ = [
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedDataLoader", "DeepSpeedEngine", "DeepSpeedOptimizer",
     "__git_branch__", "__git_hash__", "__version__", "__version_major__", "__version_minor__",
     "__version_patch__", "add_config_arguments", "comm", "dist", "get_accelerator", "init_distributed",
-    "initialize", "log_dist", "logger", "tp_model_init",
+    "init_inference", "initialize", "InferenceEngine", "log_dist", "logger", "tp_model_init",
 ]

@@ -27,7 +27,7 @@ MISSING_FEATURES = {
     "deepspeed.utils.groups": "sequence / expert parallel process groups",
     "deepspeed.runtime.tensor_parallel": "tensor parallelism (AutoTP)",
     "deepspeed.module_inject": "kernel injection and AutoTP",
-    "deepspeed.inference": "DeepSpeed inference",
+    "deepspeed.inference.v2": "DeepSpeed FastGen (inference v2)",
     "deepspeed.compile": "DeepCompile",
 }
 

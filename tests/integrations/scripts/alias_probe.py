@@ -51,7 +51,11 @@ symbols = {
                                                        "sequence_tiled_compute", "TiledFusedLogitsLoss"],
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": ["initialize_sequence_parallel",
                                                               "get_sequence_parallel_group"],
-    "deepspeed": ["initialize", "init_distributed", "DeepSpeedEngine", "zero", "comm", "tp_model_init"],
+    "deepspeed.inference.engine": ["InferenceEngine"],
+    "deepspeed.inference.config": ["DeepSpeedInferenceConfig", "DeepSpeedTPConfig"],
+    "deepspeed.inference": ["DeepSpeedTPConfig"],
+    "deepspeed": ["initialize", "init_distributed", "DeepSpeedEngine", "zero", "comm", "tp_model_init",
+                  "init_inference", "InferenceEngine"],
 }
 out["missing"] = [f"{mod}.{name}" for mod, names in symbols.items() for name in names
                   if not hasattr(importlib.import_module(mod), name)]

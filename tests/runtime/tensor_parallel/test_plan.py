@@ -72,3 +72,28 @@ def test_config_section_keys_defaults_and_errors():
         TPTrainingConfig(autotp_size=2, tp={"tp_size": 4})
     with pytest.raises(ValueError, match="autotp_sise"):
         DeepSpeedConfig({"train_batch_size": 2, "tensor_parallel": {"autotp_sise": 2}}, world_size=1)
+
+
+def _falcon(**kwargs) -> torch.nn.Module:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                          **kwargs))
+
+
+def test_falcon_head_major_fused_qkv_is_column_parallel_and_multi_query_is_refused():
+    # [Note: head-major fused projections]: the new decoder architecture groups q..q k v per kv head.
+    plan = _plan(_falcon(new_decoder_architecture=True, num_kv_heads=2))
+    assert plan["transformer.h.0.self_attention.query_key_value"] == COLUMN
+    assert plan["transformer.h.0.self_attention.dense"] == ROW
+    assert plan["transformer.h.0.mlp.dense_h_to_4h"] == COLUMN and plan["transformer.h.0.mlp.dense_4h_to_h"] == ROW
+    assert _plan(_falcon(multi_query=False))["transformer.h.0.self_attention.query_key_value"] == COLUMN
+    with pytest.raises(ValueError, match="query_key_value is a fused projection"):
+        _plan(_falcon(multi_query=True))   # one k/v head shared by all: cannot be split
+
+
+def test_alibi_models_are_refused():
+    from zerospeed.runtime.tensor_parallel.shard import _check_heads
+
+    with pytest.raises(ValueError, match="ALiBi"):
+        _check_heads(_falcon(new_decoder_architecture=True, num_kv_heads=2, alibi=True), 2)

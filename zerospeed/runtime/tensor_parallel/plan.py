@@ -22,6 +22,15 @@ Fused projections are split part by part so every rank holds whole heads: GPT-2'
 ([Q|K|V], three equal parts) and ``gate_up_proj`` ([gate|up], two). A fused layout we cannot
 read for certain (``query_key_value``, ``qkv_proj``, ``W_pack``...) is an error naming the layer,
 never a guess; ``partition_config`` with ``"partition_type": "skip"`` keeps it replicated.
+
+[Note: head-major fused projections]
+Some fused ``query_key_value`` layers are laid out head by head: GPT-NeoX's output features are
+[head 0: q k v | head 1: q k v | ...], Falcon's (``new_decoder_architecture``) are [kv group 0: q..q
+k v | group 1: ...] and Falcon's without multi-query attention [head 0: q k v | ...]. A plain
+column split then hands each rank whole heads (whole kv groups), so these are column-parallel with
+one part. GPT-NeoX's Hugging Face tp_plan says so itself; Falcon has none, so `hf_tp_plan` adds
+it (`_builtin_plan`). Falcon with multi-query attention (one k and v head shared by all) cannot
+be split and keeps the error above.
 """
 
 from __future__ import annotations
@@ -140,11 +149,21 @@ def build_plan(layers: Sequence[LayerInfo], hf_plan: Mapping[str, str] | None = 
     return plan
 
 
+def _builtin_plan(config: Any) -> dict[str, str]:
+    """Rules for architectures whose Hugging Face config carries no tp_plan ([Note: head-major
+    fused projections])."""
+    if getattr(config, "model_type", None) == "falcon" and (
+            getattr(config, "new_decoder_architecture", False) or not getattr(config, "multi_query", True)):
+        return {"h.*.self_attention.query_key_value": "colwise"}
+    return {}
+
+
 def hf_tp_plan(model: Any) -> dict[str, str]:
     """The model's Hugging Face tensor-parallel plan: its config's ``base_model_tp_plan`` merged
-    with the class's and instance's ``_tp_plan`` (empty for a model without one)."""
-    merged: dict[str, str] = {}
+    with the class's and instance's ``_tp_plan`` (empty for a model without one), after the
+    built-in rules for architectures without one."""
     config = getattr(model, "config", None)
+    merged: dict[str, str] = _builtin_plan(config)
     for plan in (getattr(config, "base_model_tp_plan", None), getattr(type(model), "_tp_plan", None),
                  vars(model).get("_tp_plan")):
         if isinstance(plan, dict):

@@ -23,7 +23,7 @@ __all__ = ["apply_autotp", "is_tensor_parallel_param", "linear_layers"]
 _LOCAL_ATTRS = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
                 "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads",
                 "kv_n_heads", "d_model", "split_size")
-_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head")
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head")
 
 
 def _is_conv1d(module: torch.nn.Module) -> bool:
@@ -49,6 +49,11 @@ def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, La
 def _check_heads(model: torch.nn.Module, tp_size: int) -> None:
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
+    if getattr(config, "alibi", False) or getattr(config, "model_type", None) == "bloom":
+        # The ALiBi bias is built per head from the model's total head count; each rank would add
+        # the first heads' slopes to its own heads.
+        raise ValueError("AutoTP: models with ALiBi attention biases (BLOOM, Falcon with alibi=True) are not "
+                         "supported: their per-head biases are not split with the heads")
     for key in _HEAD_COUNTS:
         count = getattr(config, key, None)
         if isinstance(count, int) and count % tp_size:
