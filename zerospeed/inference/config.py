@@ -25,7 +25,8 @@ from typing import Annotated, Any
 import torch
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
-from zerospeed.runtime.config_utils import ConfigError, DeepSpeedConfigModel, _describe, parse_dtype
+from zerospeed.runtime.config_keys import _describe
+from zerospeed.runtime.config_utils import ConfigError, DeepSpeedConfigModel, parse_dtype
 
 __all__ = ["DeepSpeedInferenceConfig", "DeepSpeedMoEConfig", "DeepSpeedTPConfig", "InferenceCheckpointConfig",
            "QuantizationConfig", "resolve_inference_config"]
