@@ -1,10 +1,9 @@
 """Compat script: `engine.offload_states()` / `reload_states()` between steps, written against DeepSpeed's API.
 
-`main(ds, ctx, stage, bf16, include, non_blocking)` trains a small MLP for two steps, offloads the
-included states (None: all), reloads them and trains two more steps. It reports the losses, where
-each state type's tensors were while offloaded (DeepSpeed's own `get_state_devices` helper is
-not used: it is DeepSpeed-only), the final weights, and the type name of any error raised by the
-offload or the reload, so the test can compare both libraries phase by phase.
+`main(ds, ctx, cases)` runs each case (stage, bf16, include, non_blocking): it trains a small MLP
+for two steps, offloads the included states (None: all), reloads them and trains two more steps. It reports the losses, the final
+weights, and the error (type and message) raised by the offload, the reload or an NVMe offload,
+so the test can compare both libraries phase by phase.
 """
 
 from __future__ import annotations
@@ -45,11 +44,12 @@ def _error(fn, **kwargs) -> str | None:
     return None
 
 
-def main(ds, ctx, stage: int = 1, bf16: bool = False, include: list[str] | None = None,
-         non_blocking: bool = False) -> dict:
+def run_case(ds, ctx, stage: int, bf16: bool, include: list[str] | None, non_blocking: bool) -> dict:
     enums = ctx.submodule("runtime.zero.offload_config")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    if bf16:
+        model = model.to(torch.bfloat16)
     engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(),
                                     config=config(ctx.world_size, stage, bf16))
     losses = [step(engine, ctx, i) for i in range(2)]
@@ -67,3 +67,8 @@ def main(ds, ctx, stage: int = 1, bf16: bool = False, include: list[str] | None 
             weights[name] = ctx.values(param)
     return {"losses": losses, "offload_error": offload_error, "reload_error": reload_error, "weights": weights,
             "nvme_error": _error(engine.offload_states, device=enums.OffloadDeviceEnum.nvme)}
+
+
+def main(ds, ctx, cases: dict[str, dict]) -> dict:
+    """`cases`: name -> run_case's keyword arguments; one engine after another in this process."""
+    return {name: run_case(ds, ctx, **kwargs) for name, kwargs in cases.items()}

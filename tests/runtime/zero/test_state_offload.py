@@ -69,8 +69,9 @@ def _full_params(engine, stage: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def _check_offloaded(engine, include) -> int:
-    """Snapshot the listed storages, offload, check each moved and its old storage freed; the bytes freed."""
+def _check_offloaded(engine, include):
+    """Snapshot the listed storages, offload, check each moved and its old storage freed; the bytes
+    freed and (tensor, old storage, its bytes) for each tensor moved."""
     kinds = ALL if include is None else include
     listed = engine.optimizer.offloadable_state_tensors()
     # the storage objects keep the device storages (not their bytes) reachable after the offload
@@ -88,7 +89,14 @@ def _check_offloaded(engine, include) -> int:
             assert tensor.untyped_storage().nbytes() == sizes[ptr]
         checked += 1
     assert checked >= len(sizes)
-    return sum(sizes.values())
+    return sum(sizes.values()), [(t, old, sizes[ptr]) for _, t, old, ptr in before if ptr in sizes]
+
+
+def _check_reloaded(moved) -> None:
+    """Back on the storage it left (resized to its bytes again), so views nobody listed see them too."""
+    for tensor, old, nbytes in moved:
+        assert old.nbytes() == nbytes
+        assert tensor.untyped_storage().data_ptr() == old.data_ptr()
 
 
 def _check_views_share_storage(engine, stage: int) -> None:
@@ -111,8 +119,10 @@ def _run(stage: int, bf16: bool, offload: bool, non_blocking: bool, include) -> 
     for index in range(STEPS * 2):
         losses.append(_micro_step(engine, index))
         if offload:   # after every micro-step: mid-accumulation too (gradients held)
-            freed.append(_check_offloaded(engine, include))
+            nbytes, moved = _check_offloaded(engine, include)
+            freed.append(nbytes)
             engine.reload_states(non_blocking=non_blocking)
+            _check_reloaded(moved)
             _check_views_share_storage(engine, stage)
     return {"losses": losses, "params": _full_params(engine, stage), "freed": freed}
 
