@@ -71,8 +71,9 @@ class EngineClientAPI:
                        pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Move the included states (`OffloadStateTypeEnum`; None: all) to host memory and free the
         device memory they held, until `reload_states()` (DeepSpeed's signature; ZeRO 1, 2 and 3)."""
-        states = refine_include(include, self.zero_use_cpu_optimizer(), self.zero_optimization_partition_weights())
-        if self._config.zero_config.offload_param_device.value != "none":
+        zero, stage = self._config.zero_config, self._config.zero_optimization_stage
+        states = refine_include(include, zero.offload_optimizer_device.value != "none", stage >= 3)
+        if zero.offload_param_device.value != "none":
             raise ValueError(PARAM_OFFLOAD)
         wrapper = self._states_wrapper()   # refuses without an optimizer, or below stage 1
         if self._states_offloader is None:
@@ -88,6 +89,6 @@ class EngineClientAPI:
     def _states_wrapper(self) -> Any:
         if self.optimizer is not None and hasattr(self.optimizer, "offloadable_state_tensors"):
             return self.optimizer
-        if self.zero_optimization_stage() < 1:   # DeepSpeed: only its ZeRO optimizers have the method
+        if self._config.zero_optimization_stage < 1:   # DeepSpeed: only its ZeRO optimizers have the method
             raise ValueError("offload_states / reload_states need ZeRO stage 1, 2 or 3 (zero_optimization.stage)")
         raise ValueError(NO_OPTIMIZER)

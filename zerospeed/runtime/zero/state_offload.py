@@ -196,7 +196,7 @@ def _is_scratch(views: list[torch.Tensor], listed: StateTensors, todo: set[Offlo
 def _move_out(views: list[torch.Tensor], scratch: bool, pin: bool, non_blocking: bool) -> _MovedStorage:
     storage = views[0].untyped_storage()
     nbytes = storage.nbytes()
-    geometry = [(t, t.storage_offset(), t.size(), t.stride()) for t in views]
+    geometry = [(t, int(t.storage_offset()), t.size(), tuple(t.stride())) for t in views]
     host = None
     if not scratch:
         host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin).untyped_storage()
