@@ -4,7 +4,7 @@ After offloading every state, `torch.cuda.memory_allocated()` must have dropped 
 bytes of the device storages the wrapper lists (the caching allocator rounds blocks up, so the
 drop may be a little larger, never smaller); the host copies are pinned; after reload the
 memory is back and the next steps equal, bit for bit, those of the same engine that never
-offloaded (same GPU, same kernels). Blocking and non-blocking transfers, stages 1-3, fp32 and bf16.
+offloaded (same GPU, same kernels). Blocking and non-blocking transfers, stages 0-3, fp32 and bf16.
 """
 
 import pytest
@@ -75,7 +75,7 @@ def _offload_round_trip(stage: int, bf16: bool, non_blocking: bool) -> dict:
 @pytest.mark.parametrize("world_size", gpu_world_sizes())
 @pytest.mark.parametrize("non_blocking", [False, True])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_offload_frees_the_states_bytes_and_reload_trains_on(stage, bf16, non_blocking, world_size):
     for result in run_nccl(_offload_round_trip, world_size, stage, bf16, non_blocking):
         assert result["state_bytes"] > 0

@@ -70,12 +70,12 @@ class EngineClientAPI:
     def offload_states(self, include: Any = None, device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
                        pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Move the included states (`OffloadStateTypeEnum`; None: all) to host memory and free the
-        device memory they held, until `reload_states()` (DeepSpeed's signature; ZeRO 1, 2 and 3)."""
+        device memory they held, until `reload_states()` (DeepSpeed's signature; ZeRO 0 to 3)."""
         zero, stage = self._config.zero_config, self._config.zero_optimization_stage
         states = refine_include(include, zero.offload_optimizer_device.value != "none", stage >= 3)
         if zero.offload_param_device.value != "none":
             raise ValueError(PARAM_OFFLOAD)
-        wrapper = self._states_wrapper()   # refuses without an optimizer, or below stage 1
+        wrapper = self._states_wrapper()   # refuses without an optimizer
         if self._states_offloader is None:
             self._states_offloader = StatesOffloader()
         self._states_offloader.offload(wrapper, self.module, states, device, pin_memory, non_blocking)
@@ -87,8 +87,6 @@ class EngineClientAPI:
             self._states_offloader.reload(non_blocking)
 
     def _states_wrapper(self) -> Any:
-        if self.optimizer is not None and hasattr(self.optimizer, "offloadable_state_tensors"):
-            return self.optimizer
-        if self._config.zero_optimization_stage < 1:   # DeepSpeed: only its ZeRO optimizers have the method
-            raise ValueError("offload_states / reload_states need ZeRO stage 1, 2 or 3 (zero_optimization.stage)")
-        raise ValueError(NO_OPTIMIZER)
+        if self.optimizer is None or not hasattr(self.optimizer, "offloadable_state_tensors"):
+            raise ValueError(NO_OPTIMIZER)
+        return self.optimizer

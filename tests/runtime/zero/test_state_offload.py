@@ -1,4 +1,4 @@
-"""`engine.offload_states()` / `reload_states()` at ZeRO 1, 2 and 3 (runtime/zero/state_offload.py).
+"""`engine.offload_states()` / `reload_states()` at ZeRO 0 to 3 (runtime/zero/state_offload.py).
 
 The reference is the same engine that never offloads: a run that offloads and reloads every state
 between every step, on 2 gloo ranks over the same batches, must give the same losses and final
@@ -101,6 +101,8 @@ def _check_reloaded(moved) -> None:
 
 def _check_views_share_storage(engine, stage: int) -> None:
     optimizer = engine.optimizer
+    if stage == 0:   # no flat buffers: each parameter has its own storage
+        return
     if stage == 3:
         for flat, params in zip(optimizer.lp_flat, optimizer.fp16_groups):
             for param in params:
@@ -138,7 +140,7 @@ def _compare_runs(stage: int, bf16: bool, non_blocking: bool, include) -> dict:
 
 @pytest.mark.parametrize("non_blocking", [False, True])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_offload_and_reload_every_step_trains_bit_for_bit(stage, bf16, non_blocking):
     results = run_on_ranks(_compare_runs, 2, stage, bf16, non_blocking, None)
     for result in results:
@@ -202,8 +204,6 @@ def _errors() -> dict:
     bare, _, _, _ = zerospeed.initialize(model=Net(), config=config)
     found["no_optimizer"] = error(bare.offload_states)
     found["no_optimizer_reload"] = error(bare.reload_states)
-    stage0 = _engine(0, False)
-    found["stage0"] = error(stage0.offload_states)
     params = _engine(3, False, offload_param={"device": "cpu"})
     found["offload_param"] = error(params.offload_states)
     return found
@@ -219,7 +219,6 @@ def test_errors_name_the_problem():
     assert found["after"] is None
     assert "without an optimizer" in found["no_optimizer"]
     assert "without an optimizer" in found["no_optimizer_reload"]
-    assert "stage 1, 2 or 3" in found["stage0"]
     assert "offload_param" in found["offload_param"] and "offloaded parameters" in found["offload_param"]
 
 

@@ -1,6 +1,6 @@
 """`engine.offload_states()` / `engine.reload_states()`: a ZeRO engine's training state off the device and back.
 
-RL loops (OpenRLHF, ROLL, SkyRL: DeepSpeed PR#6011, PR#7421) free the accelerator for a generation
+ZeRO stages 0 to 3. RL loops (OpenRLHF, ROLL, SkyRL: DeepSpeed PR#6011, PR#7421) free the accelerator for a generation
 engine between training steps: `offload_states` moves the chosen states (`OffloadStateTypeEnum`)
 to host memory, `reload_states` brings them back, and training continues as if nothing happened.
 
