@@ -33,7 +33,6 @@ is a forward with gradients enabled while `lp_grads` / `contiguous_grad_buffer` 
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -127,13 +126,12 @@ class StatesOffloader:
         pin = pin_memory and accelerator.is_available() and accelerator.device_name() != "cpu"
         skip = {_storage_key(m.host) for m in self._moved if m.host is not None}
         for views in _group_by_storage(listed, todo, skip, torch.device(accelerator.current_device_name()).type):
-            self._moved.append(_move_out(views, _is_scratch(views, listed, todo), pin, non_blocking))
+            self._moved.append(_move_out(views, _is_scratch(views, listed), pin, non_blocking))
         self.offloaded_states |= todo
         if not non_blocking:
             accelerator.synchronize()
         self._install_guard(module)
-        gc.collect()
-        accelerator.empty_cache()
+        accelerator.empty_cache()   # the freed blocks back to the device (a generation engine needs them)
 
     def reload(self, non_blocking: bool) -> None:
         for moved in self._moved:
@@ -185,7 +183,7 @@ def _group_by_storage(listed: StateTensors, todo: set[OffloadStateTypeEnum], ski
     return [list(views.values()) for views in groups.values()]
 
 
-def _is_scratch(views: list[torch.Tensor], listed: StateTensors, todo: set[OffloadStateTypeEnum]) -> bool:
+def _is_scratch(views: list[torch.Tensor], listed: StateTensors) -> bool:
     """Whether every listed tensor on this storage is scratch (its bytes need no copy)."""
     ids = {id(t) for t in views}
     kinds = {kind for kind, tensors in listed.items() if any(id(t) in ids for t in tensors)}
