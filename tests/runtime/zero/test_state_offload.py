@@ -149,25 +149,26 @@ def test_offload_and_reload_every_step_trains_bit_for_bit(stage, bf16, non_block
 
 
 def _partial(stage: int) -> dict:
-    """Only the optimizer state: the parameters stay, forward still runs; then only hp at fp32,
-    which is the lp partition's storage there, so the parameters move with it."""
+    """Only the optimizer state: the parameters stay, an inference forward still runs; then only
+    hp at fp32, whose storage is the lp flat buffer's, so the parameters move with it. The steps
+    after the reload equal those of an engine that never offloaded."""
+    plain = _engine(stage, False)
+    plain_losses = [_micro_step(plain, i) for i in range(4)]
     engine = _engine(stage, False)
-    _micro_step(engine, 0)
-    _micro_step(engine, 1)
-    first = next(engine.module.parameters())
-    before = (first.ds_tensor if stage == 3 else first).untyped_storage().data_ptr()
+    losses = [_micro_step(engine, 0), _micro_step(engine, 1)]
+    lp = engine.optimizer.lp_flat[0] if stage == 3 else engine.optimizer.groups[0].lp_flat
+    before = lp.untyped_storage().data_ptr()
     engine.offload_states(include=[OffloadStateTypeEnum.optim_states])
-    first = next(engine.module.parameters())
-    first = first.ds_tensor if stage == 3 else first
-    stays = first.untyped_storage().nbytes() > 0 and first.untyped_storage().data_ptr() == before
+    stays = lp.untyped_storage().nbytes() > 0 and lp.untyped_storage().data_ptr() == before
     with torch.no_grad():
         engine(torch.zeros(1, IN))
-    engine.offload_states(include=["hp_params"])   # strings too
+    engine.offload_states(include=["hp_params"])   # names as strings too
     states = sorted(s.value for s in engine._states_offloader.offloaded_states)
-    moved_with_hp = engine.optimizer.groups[0].lp_flat.untyped_storage() if stage < 3 else None
+    moved_with_hp = lp.untyped_storage().data_ptr() != before
     engine.reload_states()
-    losses = [_micro_step(engine, i) for i in range(2, 4)]
-    return {"stays": stays, "states": states, "losses": losses, "moved_with_hp": moved_with_hp is not None}
+    losses += [_micro_step(engine, i) for i in range(2, 4)]
+    return {"stays": stays, "states": states, "moved_with_hp": moved_with_hp, "losses": losses,
+            "plain_losses": plain_losses}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -175,6 +176,8 @@ def test_offload_some_states_then_more_then_reload(stage):
     for result in run_on_ranks(_partial, 2, stage):
         assert result["stays"]
         assert result["states"] == ["hp_params", "optim_states"]
+        assert result["moved_with_hp"]
+        assert result["losses"] == result["plain_losses"]
 
 
 def _errors() -> dict:
