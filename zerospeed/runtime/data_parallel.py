@@ -23,6 +23,8 @@ from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_gro
 from zerospeed.runtime.grad_utils import any_non_finite, scale_
 from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout, ReplicatedState
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
+from zerospeed.runtime.zero.state_offload import StateTensors
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.full_state import FullOptimizerState
@@ -78,6 +80,15 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
     def params_and_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(trainable param, its fp32 master) pairs in optimizer order; the same tensor twice in fp32."""
         return list(zip(self._lp_params, self._masters))
+
+    def offloadable_state_tensors(self) -> StateTensors:
+        """Every tensor object holding each state ([Note: storage relocation] in zero/state_offload.py)."""
+        grads = [g for g in self._accum_grads if g is not None] + [p.grad for p in self._lp_params if p.grad is not None]
+        return {OffloadStateTypeEnum.lp_params: list(self._lp_params),
+                OffloadStateTypeEnum.hp_params: list(self._masters),   # in fp32 the params themselves
+                OffloadStateTypeEnum.lp_grads: grads,
+                OffloadStateTypeEnum.optim_states: optimizer_state_tensors(self.optimizer),
+                OffloadStateTypeEnum.contiguous_grad_buffer: [b for r in self._reducer.reducers for b in r.flat_buffers()]}
 
     # --- gradients ----------------------------------------------------------------------------
     def prepare_backward(self, will_reduce: bool) -> None:

@@ -3,7 +3,8 @@
 Kept out of engine.py: each is a small piece of DeepSpeed's engine surface with its own contract:
 `zero_gather_16bit_weights_on_model_save()` (accelerate's save), `_consolidated_16bit_state_dict`,
 `destroy()` (accelerate frees the engine before a second `train()`), `compile(backend=,
-compile_kwargs=)` (accelerate >= DeepSpeed 0.14.4 with a dynamo backend) and `is_compiled`.
+compile_kwargs=)` (accelerate >= DeepSpeed 0.14.4 with a dynamo backend), `is_compiled`, and
+`offload_states()` / `reload_states()` (RL loops; the mechanism is runtime/zero/state_offload.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from zerospeed.runtime.base_optimizer import NOT_PARTITIONED, DeepSpeedOptimizer
+from zerospeed.runtime.zero.offload.config import OffloadDeviceEnum
+from zerospeed.runtime.zero.state_offload import NO_OPTIMIZER, PARAM_OFFLOAD, StatesOffloader, refine_include
 
 __all__ = ["EngineClientAPI"]
 
@@ -24,6 +27,7 @@ class EngineClientAPI:
     module: torch.nn.Module
     optimizer: DeepSpeedOptimizer | None
     _is_compiled: bool = False
+    _states_offloader: StatesOffloader | None = None
 
     def _link_fragment_owner(self) -> None:
         """Let `deepspeed.utils.safe_get_*(param)` find the engine (and so the optimizer) of `param`."""
@@ -62,3 +66,27 @@ class EngineClientAPI:
     @property
     def is_compiled(self) -> bool:
         return self._is_compiled
+
+    def offload_states(self, include: Any = None, device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move the included states (`OffloadStateTypeEnum`; None: all) to host memory and free the
+        device memory they held, until `reload_states()` (DeepSpeed's signature; ZeRO 0 to 3)."""
+        zero, stage = self._config.zero_config, self._config.zero_optimization_stage
+        states = refine_include(include, zero.offload_optimizer_device.value != "none", stage >= 3)
+        if zero.offload_param_device.value != "none":
+            raise ValueError(PARAM_OFFLOAD)
+        wrapper = self._states_wrapper()   # refuses without an optimizer
+        if self._states_offloader is None:
+            self._states_offloader = StatesOffloader()
+        self._states_offloader.offload(wrapper, self.module, states, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states()` moved; training continues bit for bit."""
+        self._states_wrapper()
+        if self._states_offloader is not None:
+            self._states_offloader.reload(non_blocking)
+
+    def _states_wrapper(self) -> Any:
+        if self.optimizer is None or not hasattr(self.optimizer, "offloadable_state_tensors"):
+            raise ValueError(NO_OPTIMIZER)
+        return self.optimizer

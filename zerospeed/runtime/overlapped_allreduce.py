@@ -108,6 +108,10 @@ class OverlappedAllReduce:
                                            self.comm_dtype)
         self._reset()
 
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The reused bucket buffers allocated so far (scratch between backwards: `offload_states`)."""
+        return self._flat_buffers.allocated()
+
     def _reset(self) -> None:
         self._missing = [len(bucket) for bucket in self.buckets]
         self._ready = [False] * len(self.bucket_of)

@@ -44,10 +44,12 @@ from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.offload.param_swapper import ParamSwapper, SwappedFlatAccess
 from zerospeed.runtime.zero.offload.partial_offload import build_device_optimizer
-from zerospeed.runtime.zero.param_state import ZeroParameter, set_partition, set_swapped
+from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
+from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, set_partition, set_swapped
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
 from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3GradientReducer
+from zerospeed.runtime.zero.state_offload import StateTensors
 from zerospeed.runtime.zero.sub_groups import num_sub_groups_on_device, plan_sub_groups
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
@@ -278,6 +280,21 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
             breakdown["optimizer_states"] += offloaded["optimizer_states"]
         breakdown["total"] = sum(breakdown.values())
         return breakdown
+
+    def offloadable_state_tensors(self) -> StateTensors:
+        """Every tensor object holding each state ([Note: storage relocation] in state_offload.py):
+        the flat partitions and every parameter's `ds_tensor` (frozen ones included), the persistent
+        parameters' gathered data, masters, gradients, optimizer state and the gradient slabs."""
+        self.parameter_offload.partition_all_parameters()   # nothing else stays gathered
+        params = self.parameter_offload.params
+        gathered = [p for p in params if p.zs_state.persist and p.zs_state.status is ZeroParamStatus.AVAILABLE]
+        kept = self.fp32_flat[:self.num_on_device]   # the other masters belong to OffloadStates
+        device = self._device_optimizer
+        return {OffloadStateTypeEnum.lp_params: [*self.lp_flat, *(p.zs_state.partition for p in params), *gathered],
+                OffloadStateTypeEnum.hp_params: list(kept),
+                OffloadStateTypeEnum.lp_grads: [g for k, g in enumerate(self.grad_flat) if not self._offloaded(k)],
+                OffloadStateTypeEnum.optim_states: [] if device is None else optimizer_state_tensors(device),
+                OffloadStateTypeEnum.contiguous_grad_buffer: self.gradients.slab_buffers()}
 
     # --- DeepSpeed's names for the same things ------------------------------------------------------
     @property

@@ -205,3 +205,7 @@ class Stage3GradientReducer:
         self._in_flight.drain()
         if self.sink is not None:
             self.sink.synchronize()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
+
+    def slab_buffers(self) -> list[torch.Tensor]:
+        """The reused slab buffers allocated so far (scratch between backwards: `offload_states`)."""
+        return self._slabs.allocated()

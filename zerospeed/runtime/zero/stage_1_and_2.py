@@ -65,6 +65,7 @@ from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
+from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
 from zerospeed.runtime.zero.partition import (
     GroupLayout,
     Slab,
@@ -73,6 +74,7 @@ from zerospeed.runtime.zero.partition import (
     plan_slabs,
     round_robin_order,
 )
+from zerospeed.runtime.zero.state_offload import StateTensors
 from zerospeed.version import __version__
 
 if TYPE_CHECKING:
@@ -403,6 +405,16 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     @property
     def groups_padding(self) -> list[int]:
         return [g.padding for g in self.groups]
+
+    def offloadable_state_tensors(self) -> StateTensors:
+        """Every tensor object holding each state, views included ([Note: storage relocation] in
+        state_offload.py). No contiguous gradient buffer outlives a backward at these stages."""
+        host = self.offload is not None   # masters and optimizer state already live in OffloadStates
+        return {OffloadStateTypeEnum.lp_params: [t for g in self.groups for t in (g.lp_flat, g.lp_partition, *g.params)],
+                OffloadStateTypeEnum.hp_params: [] if host else [g.master for g in self.groups],
+                OffloadStateTypeEnum.lp_grads: [t for g in self.groups for t in (g.grads, g.partition_grad)],
+                OffloadStateTypeEnum.optim_states: [] if host else optimizer_state_tensors(self.optimizer),
+                OffloadStateTypeEnum.contiguous_grad_buffer: []}
 
     def memory_breakdown(self) -> dict[str, int]:
         lp_storages = {g.lp_flat.untyped_storage().data_ptr() for g in self.groups}

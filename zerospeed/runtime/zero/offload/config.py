@@ -15,13 +15,24 @@ from pydantic import Field, model_validator
 
 from zerospeed.runtime.config_utils import DeepSpeedConfigModel
 
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
+           "OffloadStateTypeEnum"]
 
 
 class OffloadDeviceEnum(str, Enum):
     none = "none"
     cpu = "cpu"
     nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, Enum):
+    """The training states `engine.offload_states(include=...)` moves (runtime/zero/state_offload.py)."""
+
+    optim_states = "optim_states"      # the base optimizer's state (Adam's moments)
+    hp_params = "hp_params"            # the fp32 master partitions
+    lp_params = "lp_params"            # the model's (low-precision) parameters and their flat buffers
+    lp_grads = "lp_grads"              # the gradient accumulation buffers
+    contiguous_grad_buffer = "contiguous_grad_buffer"   # reduction scratch buffers (contents not kept)
 
 
 class _OffloadConfig(DeepSpeedConfigModel):
