@@ -70,7 +70,7 @@ class EngineCheckpointing:
     def _checkpoint_context(self) -> CheckpointContext:
         """What `checkpoint/` reads of this engine, built here only ([Note: checkpoint contract])."""
         return CheckpointContext(
-            module=self.module, optimizer=self.optimizer if self.optimizer is not None else NoOptimizer(),
+            module=self.module, optimizer=NoOptimizer() if self._training_optimizer is None else self.optimizer,
             lr_scheduler=self.lr_scheduler, param_names=self.param_names,
             dp_rank=comm.get_rank(self.dp_group), dp_world_size=self.seq_dp_world_size,
             mp_rank=self._checkpoint_mp_rank(), mp_world_size=getattr(self, "mp_world_size", 1),
@@ -142,7 +142,7 @@ class EngineCheckpointing:
         else:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
-            if self.optimizer is not None:
+            if self._training_optimizer is not None:
                 self._load_optimizer(ctx, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self._checkpoint_group())

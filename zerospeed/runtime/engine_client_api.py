@@ -39,7 +39,7 @@ class EngineClientAPI:
         """The full 16-bit state dict where weights are partitioned (stage 3); DeepSpeed raises otherwise."""
         if self.optimizer is None:
             raise ValueError(NOT_PARTITIONED)
-        return self.optimizer.consolidated_16bit_state_dict(self.module, exclude_frozen_parameters)
+        return self._module_state_dict_16bit(exclude_frozen_parameters)  # type: ignore[attr-defined]
 
     def destroy(self) -> None:
         """Remove the hooks this engine put on the model and its parameters, so that the model can be
