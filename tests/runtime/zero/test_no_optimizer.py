@@ -20,7 +20,7 @@ def tiny_llama() -> torch.nn.Module:
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                         tie_word_embeddings=True, attn_implementation="eager")
+                         tie_word_embeddings=True, attn_implementation="eager", initializer_range=0.5)
     return LlamaForCausalLM(config).float()
 
 
