@@ -126,3 +126,29 @@ def test_no_optimizer_gathers_and_prefetches_as_with_one():
     for with_opt, without in run_on_ranks(_same_gathers, 2):
         assert without == with_opt
         assert any(is_async for _, _, is_async in without[-1]), "forwards after the first prefetch from the trace"
+
+
+def _saving(tmp_dir: str) -> dict:
+    cfg = {**config(3, False), "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, *_ = zerospeed.initialize(model=build(reference_weights(0), True, cfg), config=cfg)
+    saved = engine.save_16bit_model(tmp_dir)
+    try:
+        engine.save_checkpoint(tmp_dir)
+        refused = None
+    except NotImplementedError as error:
+        refused = str(error)
+    return {"saved": saved, "refused": refused}
+
+
+def test_zero3_without_optimizer_saves_16bit_weights_and_refuses_checkpoints(tmp_path):
+    import os
+
+    results = run_on_ranks(_saving, 2, str(tmp_path))
+    assert all(r["saved"] for r in results)
+    assert all("save_checkpoint on a ZeRO-3 engine without an optimizer" in r["refused"] for r in results)
+    state = torch.load(os.path.join(tmp_path, "pytorch_model.bin"))
+    expected = reference_weights(0)
+    for name, tensor in expected.items():
+        if name in state:
+            assert torch.equal(state[name], tensor), name
+    assert "model.embed_tokens.weight" in state
