@@ -10,7 +10,7 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 COMMON = dict(max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, report_to="none",
               use_cpu=True, seed=7, save_strategy="no")
