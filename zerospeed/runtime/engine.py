@@ -30,12 +30,25 @@ from zerospeed.runtime.engine_setup import (
     cast_inputs,
     configure_basic_optimizer,
 )
-from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper
+from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper, build_parameter_offload
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
 from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
 from zerospeed.utils.host_allocator import settle_mmap_threshold
 from zerospeed.utils.logging import log_dist, logger
+
+
+# [Note: engine without an optimizer]
+# `deepspeed.initialize(model=m, config=cfg)` with no optimizer argument and no `optimizer` block is
+# how TRL prepares a frozen reference model and how ZeRO-Inference runs. At stage 3 the parameters
+# still have to be gathered around every forward: the engine then holds the hooks alone
+# (`DeepSpeedZeRoOffload`, the same coordinator and prefetch an engine with an optimizer gets) as
+# `engine.optimizer`, as DeepSpeed does, because TRL's `remove_hooks` / `add_hooks` look for them
+# there. `_training_optimizer` is the optimizer wrapper when there is one and None otherwise;
+# `backward` and `step` refuse without one. Below stage 3 there is nothing to gather.
+NO_OPTIMIZER = ("this engine has no optimizer: deepspeed.initialize got no `optimizer` argument and the config "
+                "has no 'optimizer' block, so it can run forward (inference, a frozen reference model) but "
+                "not {}(); pass an optimizer to train")
 
 
 class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
@@ -70,11 +83,15 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         self.client_optimizer = optimizer   # DeepSpeed's attribute: the optimizer or callable as given
         self.basic_optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
-        if optimizer is not None or self._config.optimizer_name is not None:
+        self._has_optimizer = optimizer is not None or self._config.optimizer_name is not None
+        if self._has_optimizer:
             self._init_optimizer(optimizer, model_parameters)
             self._link_fragment_owner()
             self.lr_scheduler = build_lr_scheduler(self._config, self.basic_optimizer, lr_scheduler)
             self._report_progress(0)
+        else:   # [Note: engine without an optimizer]
+            self.optimizer = build_parameter_offload(self._config, self.precision, self.dp_group,
+                                                     self.param_names, self.module)
         self._attach_tensor_parallel()
         self._init_monitoring()
 
@@ -191,7 +208,8 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        assert self.optimizer is not None, "must provide an optimizer (client or config) to call backward"
+        if self._training_optimizer is None:
+            raise RuntimeError(NO_OPTIMIZER.format("backward"))
         assert loss.dim() == 0 and loss.requires_grad, "backward expects a scalar loss with a grad_fn"
         self.monitoring.start("bwd")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -218,7 +236,8 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         assert not self._inside_no_sync, "It is illegal to call Engine.step() inside no_sync context manager"
-        assert self.optimizer is not None, "must provide an optimizer (client or config) to call step"
+        if self._training_optimizer is None:
+            raise RuntimeError(NO_OPTIMIZER.format("step"))
         is_boundary = self.is_gradient_accumulation_boundary()
         if is_boundary:
             self.monitoring.start("step")
@@ -260,7 +279,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        assert self.optimizer is None or self.optimizer.supports_no_sync, \
+        assert self._training_optimizer is None or self.optimizer.supports_no_sync, \
             f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {self._config.zero_optimization_stage}"
         assert not self._inside_no_sync, "no_sync context manager reentry is unsupported"
         self._inside_no_sync = True
@@ -268,6 +287,11 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
             yield
         finally:
             self._inside_no_sync = False
+
+    @property
+    def _training_optimizer(self) -> Any:
+        """The optimizer wrapper, None without an optimizer ([Note: engine without an optimizer])."""
+        return self.optimizer if self.__dict__.get("_has_optimizer", False) else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.module.parameters():
@@ -286,6 +310,8 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for lp params, grads, fp32 masters and optimizer states (ours)."""
+        if self._training_optimizer is None:
+            raise RuntimeError(NO_OPTIMIZER.format("memory_breakdown"))
         return self.optimizer.memory_breakdown()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -294,12 +320,11 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         `stage3_gather_16bit_weights_on_model_save` is on (else it logs and returns False)."""
         import os
 
-        if self.optimizer is not None and not self.optimizer.saves_16bit_model():
+        if not self._saves_16bit_model():
             logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
                         "False", os.path.join(save_dir, save_filename))
             return False
-        state_dict = self.module.state_dict() if self.optimizer is None else \
-            self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
+        state_dict = self._module_state_dict_16bit(exclude_frozen_parameters)
         state_dict = self._full_weights(state_dict)  # AutoTP: every tp rank takes part
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
@@ -308,6 +333,19 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         return True
 
     save_fp16_model = save_16bit_model
+
+    def _saves_16bit_model(self) -> bool:
+        if self._training_optimizer is not None:
+            return bool(self.optimizer.saves_16bit_model())
+        return self.optimizer is None or self.zero_gather_16bit_weights_on_model_save()
+
+    def _module_state_dict_16bit(self, exclude_frozen_parameters: bool) -> dict[str, Any] | None:
+        """The whole model's weights in the model dtype (None off dp rank 0 at stage 3)."""
+        if self._training_optimizer is not None:
+            return self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
+        if self.optimizer is None:
+            return self.module.state_dict()
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         from zerospeed.runtime.zero.partition_parameters import consolidated_16bit_state_dict

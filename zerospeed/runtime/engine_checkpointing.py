@@ -46,6 +46,7 @@ class EngineCheckpointing:
         """Called on every rank. See [Note: atomic save] for what a crash leaves behind."""
         if not save_dir:
             raise ValueError("save_checkpoint: save_dir must be a non-empty path")
+        self._refuse_partitioned_without_optimizer("save_checkpoint")
         tag = default_tag(self.global_steps) if tag is None else str(tag)
         self._validate_tag(tag)
         ctx = self._checkpoint_context()
@@ -70,7 +71,7 @@ class EngineCheckpointing:
     def _checkpoint_context(self) -> CheckpointContext:
         """What `checkpoint/` reads of this engine, built here only ([Note: checkpoint contract])."""
         return CheckpointContext(
-            module=self.module, optimizer=self.optimizer if self.optimizer is not None else NoOptimizer(),
+            module=self.module, optimizer=NoOptimizer() if self._training_optimizer is None else self.optimizer,
             lr_scheduler=self.lr_scheduler, param_names=self.param_names,
             dp_rank=comm.get_rank(self.dp_group), dp_world_size=self.seq_dp_world_size,
             mp_rank=self._checkpoint_mp_rank(), mp_world_size=getattr(self, "mp_world_size", 1),
@@ -107,9 +108,18 @@ class EngineCheckpointing:
                              f"ranks{hint}; pass the same tag on every rank")
 
     # --- load -------------------------------------------------------------------------------------
+    def _refuse_partitioned_without_optimizer(self, method: str) -> None:
+        """ZeRO-3 without an optimizer: the module's state dict holds partitions, which a checkpoint
+        would store as empty tensors ([Note: engine without an optimizer] in engine.py)."""
+        if self._training_optimizer is None and self.optimizer is not None:
+            raise NotImplementedError(f"{method} on a ZeRO-3 engine without an optimizer is not implemented; "
+                                      "save the weights with save_16bit_model() or iter_full_weights(), "
+                                      "load them into the model before initialize")
+
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        self._refuse_partitioned_without_optimizer("load_checkpoint")
         if tag is None:
             if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
                 logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
@@ -142,7 +152,7 @@ class EngineCheckpointing:
         else:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
-            if self.optimizer is not None:
+            if self._training_optimizer is not None:
                 self._load_optimizer(ctx, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self._checkpoint_group())

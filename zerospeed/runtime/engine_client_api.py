@@ -3,12 +3,14 @@
 Kept out of engine.py: each is a small piece of DeepSpeed's engine surface with its own contract:
 `zero_gather_16bit_weights_on_model_save()` (accelerate's save), `_consolidated_16bit_state_dict`,
 `destroy()` (accelerate frees the engine before a second `train()`), `compile(backend=,
-compile_kwargs=)` (accelerate >= DeepSpeed 0.14.4 with a dynamo backend), `is_compiled`, and
-`offload_states()` / `reload_states()` (RL loops; the mechanism is runtime/zero/state_offload.py).
+compile_kwargs=)` (accelerate >= DeepSpeed 0.14.4 with a dynamo backend), `is_compiled`,
+`offload_states()` / `reload_states()` (RL loops; the mechanism is runtime/zero/state_offload.py), and
+zerospeed's own `iter_full_weights` (the weight stream RL loops hand to a generation engine).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,7 +45,18 @@ class EngineClientAPI:
         """The full 16-bit state dict where weights are partitioned (stage 3); DeepSpeed raises otherwise."""
         if self.optimizer is None:
             raise ValueError(NOT_PARTITIONED)
-        return self.optimizer.consolidated_16bit_state_dict(self.module, exclude_frozen_parameters)
+        return self._module_state_dict_16bit(exclude_frozen_parameters)  # type: ignore[attr-defined]
+
+    def iter_full_weights(self, bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
+        """zerospeed's own: `(name, full tensor)` for every parameter, gathered `bucket_bytes` at a
+        time, for handing the weights to a generation engine (zero/weight_stream.py). Collective
+        at ZeRO-3: every data-parallel rank iterates."""
+        from zerospeed.runtime.zero.weight_stream import iter_full_weights
+
+        if getattr(self, "tensor_parallel", None) is not None:
+            raise NotImplementedError("iter_full_weights with AutoTP (tensor_parallel.autotp_size > 1) is not "
+                                      "implemented: the weights are split over the tp group")
+        return iter_full_weights(self.module, bucket_bytes)
 
     def destroy(self) -> None:
         """Remove the hooks this engine put on the model and its parameters, so that the model can be

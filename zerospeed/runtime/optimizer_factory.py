@@ -137,3 +137,34 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
 
     return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,
                                          param_names=param_names, offload=offload, aio_config=config.aio_config)
+
+
+def build_parameter_offload(config: Any, precision: PrecisionSettings, dp_group: Any,
+                            param_names: dict[torch.nn.Parameter, str], module: torch.nn.Module) -> Any:
+    """The engine without an optimizer ([Note: engine without an optimizer] in engine.py): at stage 3
+    the partitioning hooks alone, DeepSpeed's `DeepSpeedZeRoOffload` as `engine.optimizer`, with the
+    coordinator and prefetch an engine with an optimizer gets; below stage 3 nothing (weights whole)."""
+    if config.zero_optimization_stage != 3:
+        return None
+    from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    zero_config = config.zero_config
+    offload = zero_config.offload_param
+    offload_enabled = offload is not None and offload.enabled
+    if offload_enabled and offload.device.value == "nvme":
+        raise NotImplementedError("zero_optimization.offload_param.device='nvme' without an optimizer "
+                                  "(ZeRO-Inference from NVMe) is not implemented; use device 'cpu' or none")
+    hooks = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names, precision.param_dtype)
+    if offload_enabled:   # the partitions live in host memory; gathers run on the compute device
+        _partitions_to_host(hooks.params, bool(offload.pin_memory))
+    return hooks
+
+
+def _partitions_to_host(params: list[Any], pin_memory: bool) -> None:
+    from zerospeed.runtime.zero.param_state import set_partition
+
+    pin = pin_memory and torch.cuda.is_available()
+    for param in params:
+        partition = param.zs_state.partition
+        if partition.device.type != "cpu":
+            set_partition(param, torch.empty(partition.shape, dtype=partition.dtype, pin_memory=pin).copy_(partition))

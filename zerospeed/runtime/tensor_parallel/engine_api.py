@@ -53,7 +53,7 @@ class EngineTensorParallel:
         """After the optimizer exists: hand it the tp group."""
         if self.tensor_parallel is None:
             return
-        if self.optimizer is not None:
+        if self._training_optimizer is not None:   # type: ignore[attr-defined]
             self.optimizer.tp_group = self.tensor_parallel.tp_group
 
     # --- DeepSpeed's accessors -------------------------------------------------------------------
@@ -89,9 +89,7 @@ class EngineTensorParallel:
         """This tp rank's pieces, whole over the data-parallel group. At ZeRO-3 they are gathered
         over it and land on dp rank 0 only (None elsewhere): the tp group of dp rank 0 then joins
         them ([Note: AutoTP with ZeRO-3] in setup.py)."""
-        if self.optimizer is None:
-            return self.module.state_dict()
-        return self.optimizer.module_state_dict_16bit(self.module, exclude_frozen_parameters)
+        return self._module_state_dict_16bit(exclude_frozen_parameters)  # type: ignore[attr-defined]
 
     def _full_weights(self, state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
         """``state_dict`` with split parameters made whole (unchanged without AutoTP). Collective
