@@ -23,6 +23,7 @@ from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_gro
 from zerospeed.runtime.grad_utils import any_non_finite, scale_
 from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout, ReplicatedState
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.zero.muon.attach import attach_stage0
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.full_state import FullOptimizerState
@@ -42,6 +43,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
+        attach_stage0(init_optimizer, dp_group)   # Muon's matrix owners; nothing for other optimizers
         # Read by every gradient hook call; fixed here, as the settings are (a frozen dataclass).
         self._separate_accumulation = precision.grad_accum_dtype != precision.param_dtype
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)

@@ -53,6 +53,8 @@ def build_basic_optimizer(name: str, params: dict[str, Any] | None, model_parame
         return _build_lion(groups, params, offload)
     if lowered == MUON:
         return _build_muon(groups, params, offload)
+    if lowered in _MUP_CLASSES:
+        return _build_mup(lowered, groups, params)
     if lowered == LAMB:
         from zerospeed.ops.lamb import FusedLamb
 
@@ -83,6 +85,20 @@ def _build_lion(groups: list[Any], params: dict[str, Any], offload: bool) -> tor
     from zerospeed.ops.lion import DeepSpeedCPULion
 
     return DeepSpeedCPULion(groups, **params)
+
+
+# DeepSpeed's muP optimizers come from the `mup` package, as there (it logs an error and then fails
+# with a NameError when mup is missing; here the error says what to install).
+_MUP_CLASSES = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+
+
+def _build_mup(lowered: str, groups: list[Any], params: dict[str, Any]) -> torch.optim.Optimizer:
+    class_name = _MUP_CLASSES[lowered]
+    try:
+        import mup  # type: ignore[import-not-found]
+    except ImportError as error:
+        raise ValueError(f"optimizer type {class_name} needs the mup package: pip install mup") from error
+    return getattr(mup, class_name)(groups, **params)
 
 
 def _build_muon(groups: list[Any], params: dict[str, Any], offload: bool) -> torch.optim.Optimizer:

@@ -175,3 +175,19 @@ def test_a_flat_tensor_without_owner_layout_is_never_stepped_as_sgd() -> None:
     flat.grad = torch.ones(12)
     with pytest.raises(RuntimeError, match="SGD"):
         MuonWithAuxAdam([{"params": [flat], "use_muon": True}]).step()
+
+
+def test_mup_optimizers_come_from_the_mup_package(monkeypatch) -> None:
+    import sys
+    import types
+
+    net = _Net()
+    monkeypatch.setitem(sys.modules, "mup", None)   # not installed
+    with pytest.raises(ValueError, match="pip install mup"):
+        build_basic_optimizer("MuAdam", {"lr": 1e-3}, net.parameters())
+    fake = types.ModuleType("mup")
+    fake.MuAdamW = lambda groups, **kw: torch.optim.AdamW(groups, **kw)   # type: ignore[attr-defined]
+    fake.MuSGD = lambda groups, **kw: torch.optim.SGD(groups, **kw)       # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mup", fake)
+    assert isinstance(build_basic_optimizer("MuAdamW", {"lr": 1e-3}, net.parameters()), torch.optim.AdamW)
+    assert isinstance(build_basic_optimizer("musgd", {"lr": 1e-3}, net.parameters()), torch.optim.SGD)

@@ -1,7 +1,7 @@
 """How each ZeRO wrapper tells `MuonWithAuxAdam` where its matrices are ([Note: owner-based Muon]).
 
-Called once by the wrapper after it has laid out its flat buffers; does nothing for any other
-optimizer. Stage 0 needs no call: its optimizer holds whole parameters.
+Called once by the wrapper after it has laid out its flat buffers (stage 0: its fp32 masters);
+does nothing for any other optimizer.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer
+from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, ReplicatedOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
 
-__all__ = ["attach_zero12", "attach_zero3", "check_muon_supported"]
+__all__ = ["attach_stage0", "attach_zero12", "attach_zero3", "check_muon_supported"]
 
 
 def check_muon_supported(optimizer: torch.optim.Optimizer, offload: bool) -> None:
@@ -23,6 +23,16 @@ def check_muon_supported(optimizer: torch.optim.Optimizer, offload: bool) -> Non
     if isinstance(optimizer, MuonWithAuxAdam) and offload:
         raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer is not implemented by "
                          "zerospeed: remove offload_optimizer (or its device) to train with Muon")
+
+
+def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
+    """Stage 0: whole parameters on every rank; each Muon group's matrices split among owners."""
+    if not isinstance(optimizer, MuonWithAuxAdam):
+        return
+    for index, group in enumerate(optimizer.param_groups):
+        if group["use_muon"]:
+            shapes = [tuple(p.shape) for p in group["params"]]
+            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, dp_group))
 
 
 def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> None:

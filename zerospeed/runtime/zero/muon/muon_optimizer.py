@@ -6,7 +6,9 @@ groups hold: whole parameters (stage 0, or single-process use) or flat ZeRO part
 1-3). Momentum and the Adam moments are elementwise, so they live with those tensors and are
 checkpointed and resharded like Adam's. Newton-Schulz is not elementwise: for a flat partition the
 ZeRO wrapper registers an orthogonalizer (`set_orthogonalizer`, owner_exchange.py) that rebuilds
-each whole matrix on its owner rank. A Muon tensor with no orthogonalizer must be a whole matrix
+each whole matrix on its owner rank; at stage 0 the wrapper registers one per param group
+(`set_group_orthogonalizer`): each rank orthogonalizes the matrices it owns and one all-reduce
+shares the results. A Muon tensor with no orthogonalizer must be a whole matrix
 (>= 2 dims) and is orthogonalized in place; a 1-D one is an error, never a silent SGD step
 (DeepSpeed's DS#8441).
 
@@ -26,7 +28,7 @@ import torch
 
 from zerospeed.runtime.zero.muon.newton_schulz import NS_METHODS, orthogonalize
 
-__all__ = ["ADAM_DEFAULTS", "MUON_DEFAULTS", "MuonWithAuxAdam", "Orthogonalizer"]
+__all__ = ["ADAM_DEFAULTS", "MUON_DEFAULTS", "GroupOrthogonalizer", "MuonWithAuxAdam", "Orthogonalizer"]
 
 MUON_DEFAULTS: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram",
                                  "ns_steps": 5, "nesterov": True}
@@ -34,6 +36,8 @@ ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10,
 
 Orthogonalizer = Callable[[torch.Tensor, int, str], torch.Tensor]
 """(this rank's flat U, ns_steps, ns_method) -> this rank's flat O, float32."""
+GroupOrthogonalizer = Callable[[list[torch.Tensor], int, str], list[torch.Tensor]]
+"""(every whole U of a param group, ns_steps, ns_method) -> their O, float32."""
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
@@ -42,6 +46,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.adam_w_mode = bool(adam_w_mode)
         self._orthogonalizers: dict[int, Orthogonalizer] = {}
+        self._group_orthogonalizers: dict[int, GroupOrthogonalizer] = {}
         self.num_local_orthogonalized = 0   # whole matrices orthogonalized without an orthogonalizer
 
     def set_orthogonalizer(self, tensor: torch.Tensor, orthogonalizer: Orthogonalizer) -> None:
@@ -51,7 +56,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     @property
     def newton_schulz_calls(self) -> int:
         """Matrices this rank has orthogonalized so far (evidence Muon ran, not SGD)."""
-        owned = sum(getattr(o, "num_orthogonalized", 0) for o in self._orthogonalizers.values())
+        routes = [*self._orthogonalizers.values(), *self._group_orthogonalizers.values()]
+        owned = sum(getattr(o, "num_orthogonalized", 0) for o in routes)
         return self.num_local_orthogonalized + owned
 
     @torch.no_grad()
@@ -60,15 +66,20 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
-                self._muon_group_step(group)
+                self._muon_group_step(index, group)
             else:
                 self._adam_group_step(group)
         return loss
 
-    def _muon_group_step(self, group: dict[str, Any]) -> None:
+    def set_group_orthogonalizer(self, group_index: int, orthogonalizer: GroupOrthogonalizer) -> None:
+        """Route param group `group_index`'s whole matrices through one call (stage 0's owners)."""
+        self._group_orthogonalizers[group_index] = orthogonalizer
+
+    def _muon_group_step(self, group_index: int, group: dict[str, Any]) -> None:
         beta = group["momentum"]
+        updates = []
         for param in group["params"]:
             # A partition takes part in its owners' exchange even without a gradient (zeros).
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -77,8 +88,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(param)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - beta)
-            update = grad.lerp(buf, beta) if group["nesterov"] else buf
-            ortho = self._orthogonalize(param, update, group["ns_steps"], group["ns_method"])
+            updates.append(grad.lerp(buf, beta) if group["nesterov"] else buf)
+        steps, method = group["ns_steps"], group["ns_method"]
+        by_group = self._group_orthogonalizers.get(group_index)
+        orthos = by_group(updates, steps, method) if by_group is not None else \
+            [self._orthogonalize(p, u, steps, method) for p, u in zip(group["params"], updates)]
+        for param, ortho in zip(group["params"], orthos):
             param.mul_(1 - group["lr"] * group["weight_decay"])
             param.add_(ortho.view_as(param).to(param.dtype), alpha=-group["lr"])
 

@@ -17,7 +17,7 @@ from zerospeed import comm
 from zerospeed.runtime.zero.muon.newton_schulz import orthogonalize
 from zerospeed.runtime.zero.muon.owner_plan import MatrixSpec, Piece, assign_owners, exchange_plan
 
-__all__ = ["OwnerOrthogonalizer"]
+__all__ = ["OwnerOrthogonalizer", "ReplicatedOrthogonalizer"]
 
 _Route = tuple[tuple[tuple[int, Piece], ...], ...]
 
@@ -55,6 +55,34 @@ class OwnerOrthogonalizer:
         incoming = torch.empty(sum(receive_numels), dtype=outgoing.dtype, device=outgoing.device)
         comm.all_to_all_single(incoming, outgoing, receive_numels, send_numels, group=self.group)
         return incoming
+
+
+class ReplicatedOrthogonalizer:
+    """Stage 0: every rank holds every whole matrix. Each orthogonalizes the ones it owns into a
+    zeroed flat buffer, and one all-reduce (a sum with zeros everywhere else: exact) hands every
+    rank every result, so the replicas stay bitwise equal at 1/W of the Newton-Schulz work."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], group: Any) -> None:
+        self.shapes = shapes
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        owners = assign_owners(shapes, self.world_size)
+        rank = comm.get_rank(group)
+        self.owned = [owner == rank for owner in owners]
+        self.num_orthogonalized = 0
+
+    def __call__(self, updates: list[torch.Tensor], steps: int, method: str) -> list[torch.Tensor]:
+        numels = [u.numel() for u in updates]
+        device = updates[0].device if updates else torch.device("cpu")
+        flat = torch.zeros(sum(numels), dtype=torch.float32, device=device)
+        pieces = list(flat.split(numels))
+        for piece, update, shape, mine in zip(pieces, updates, self.shapes, self.owned):
+            if mine:
+                piece.copy_(orthogonalize(update, shape, steps, method))
+                self.num_orthogonalized += 1
+        if self.world_size > 1 and flat.numel():
+            comm.all_reduce(flat, group=self.group)
+        return pieces
 
 
 def _pack(route: _Route, flat: torch.Tensor, offset_of: Any) -> torch.Tensor:
