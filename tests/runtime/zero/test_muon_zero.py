@@ -22,9 +22,10 @@ def _full_params(engine: zerospeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in params.items()}
 
 
-def _train(stage: int, zero_init: bool, ns_method: str, clip: float) -> tuple[list[float], dict, int]:
+def _train(stage: int, zero_init: bool, ns_method: str, clip: float,
+           bf16: bool = False) -> tuple[list[float], dict, int]:
     rank = torch.distributed.get_rank()
-    cfg = config(stage, MICRO, {**BLOCK, "ns_method": ns_method}, gradient_clipping=clip)
+    cfg = config(stage, MICRO, {**BLOCK, "ns_method": ns_method}, gradient_clipping=clip, bf16={"enabled": bf16})
     if zero_init:
         with zerospeed.zero.Init(config_dict_or_path=cfg):
             model = make_model()
@@ -63,6 +64,18 @@ def test_muon_equals_single_process_reference(stage: int) -> None:
 
 def test_muon_stage3_under_zero_init_with_standard_ns_and_clipping() -> None:
     _check(run_on_ranks(_train, WORLD, 3, True, "standard", 0.5), clip=0.5)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_muon_bf16_trains_near_the_fp32_reference(stage: int) -> None:
+    """bf16 parameters with fp32 masters and Newton-Schulz. Newton-Schulz normalizes the update and
+    amplifies its small singular directions, so bf16 gradients' rounding moves the parameters well
+    past bf16 rounding: the losses, not the parameters, are held to the reference."""
+    results = run_on_ranks(_train, WORLD, stage, False, "gram", 0.0, True)
+    ref_losses, _ = reference_run(make_model(), batches(STEPS, MICRO * WORLD), MUON, ADAM)
+    mean = [sum(r[0][i] for r in results) / len(results) for i in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    assert all(rank_calls > 0 for _, _, rank_calls in results)
 
 
 def test_muon_stage2_with_clipping() -> None:
