@@ -25,6 +25,7 @@ from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout, Replicat
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
 from zerospeed.runtime.zero.state_offload import StateTensors
+from zerospeed.runtime.zero.muon.attach import attach_stage0
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.full_state import FullOptimizerState
@@ -44,6 +45,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
+        attach_stage0(init_optimizer, dp_group)   # Muon's matrix owners; nothing for other optimizers
         # Read by every gradient hook call; fixed here, as the settings are (a frozen dataclass).
         self._separate_accumulation = precision.grad_accum_dtype != precision.param_dtype
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)

@@ -39,7 +39,23 @@ def configure_basic_optimizer(config: Any, module: torch.nn.Module, client_optim
             return client_optimizer(params)
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(client_optimizer)}")
     offload = _offloads_optimizer(config)
+    if str(config.optimizer_name).lower() == "muon":
+        _prepare_muon(module)
     return build_basic_optimizer(config.optimizer_name, config.optimizer_params, params, offload=offload)
+
+
+def _prepare_muon(module: torch.nn.Module) -> None:
+    """`use_muon` on every parameter (DeepSpeed's rule); AutoTP-split matrices are refused: Muon on
+    each shard is not Muon on the matrix, and the tensor-parallel owner exchange is not written yet."""
+    from zerospeed.runtime.zero.muon.param_groups import tag_muon_params
+
+    tag_muon_params(module)
+    split = [name for name, p in module.named_parameters()
+             if getattr(p, "use_muon", False) and getattr(p, "tensor_model_parallel", False)]
+    if split:
+        raise ValueError(f"the Muon optimizer with AutoTP (tensor_parallel.autotp_size > 1) is not implemented by "
+                         f"zerospeed: {split[:3]} are split over tensor-parallel ranks, and Newton-Schulz on a "
+                         "shard differs from Newton-Schulz on the whole matrix")
 
 
 def _offloads_optimizer(config: Any) -> bool:

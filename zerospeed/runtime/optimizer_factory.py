@@ -18,7 +18,7 @@ from zerospeed.runtime.fp16.loss_scaler import LossScaler, create_loss_scaler
 from zerospeed.runtime.precision import PrecisionSettings
 
 # DeepSpeed's own optimizer names (matched case-insensitively); anything else is a torch.optim name.
-ADAM, ADAMW, ADAGRAD, LAMB, LION, SGD = "adam", "adamw", "adagrad", "lamb", "lion", "sgd"
+ADAM, ADAMW, ADAGRAD, LAMB, LION, SGD, MUON = "adam", "adamw", "adagrad", "lamb", "lion", "sgd", "muon"
 
 
 def _group_params(model_parameters: Any) -> list[Any]:
@@ -51,6 +51,10 @@ def build_basic_optimizer(name: str, params: dict[str, Any] | None, model_parame
         return _from_ops_or_torch("adagrad", "DeepSpeedCPUAdagrad", offload, groups, params, torch.optim.Adagrad)
     if lowered == LION:
         return _build_lion(groups, params, offload)
+    if lowered == MUON:
+        return _build_muon(groups, params, offload)
+    if lowered in _MUP_CLASSES:
+        return _build_mup(lowered, groups, params)
     if lowered == LAMB:
         from zerospeed.ops.lamb import FusedLamb
 
@@ -83,6 +87,30 @@ def _build_lion(groups: list[Any], params: dict[str, Any], offload: bool) -> tor
     return DeepSpeedCPULion(groups, **params)
 
 
+# DeepSpeed's muP optimizers come from the `mup` package, as there (it logs an error and then fails
+# with a NameError when mup is missing; here the error says what to install).
+_MUP_CLASSES = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+
+
+def _build_mup(lowered: str, groups: list[Any], params: dict[str, Any]) -> torch.optim.Optimizer:
+    class_name = _MUP_CLASSES[lowered]
+    try:
+        import mup  # type: ignore[import-not-found]
+    except ImportError as error:
+        raise ValueError(f"optimizer type {class_name} needs the mup package: pip install mup") from error
+    return getattr(mup, class_name)(groups, **params)
+
+
+def _build_muon(groups: list[Any], params: dict[str, Any], offload: bool) -> torch.optim.Optimizer:
+    """DeepSpeed's Muon type (any case): `MuonWithAuxAdam`, never torch's 2-D-only `torch.optim.Muon`."""
+    from zerospeed.runtime.zero.muon.attach import check_muon_supported
+    from zerospeed.runtime.zero.muon.param_groups import build_muon_optimizer
+
+    optimizer = build_muon_optimizer(params, groups)
+    check_muon_supported(optimizer, offload)
+    return optimizer
+
+
 def _from_ops_or_torch(module: str, class_name: str, offload: bool, groups: list[Any], params: dict[str, Any],
                        torch_class: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
     if offload:
@@ -102,7 +130,10 @@ def build_loss_scaler(config: Any, precision: PrecisionSettings) -> LossScaler:
 # Adam / AdamW / Adagrad and its own ops; SGD and the other element-wise torch optimizers are exact
 # too, so they are allowed here. Anything else (e.g. LAMB's per-tensor trust ratio) needs the flag.
 _ZERO_SAFE_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
-                         "DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLion")
+                         "DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam", "FusedLion",
+                         # not elementwise, but every ZeRO wrapper registers its matrices' owners with it
+                         # ([Note: owner-based Muon] in zero/muon/owner_plan.py)
+                         "MuonWithAuxAdam")
 
 
 def check_zero_supported(basic: torch.optim.Optimizer, config: Any) -> None:

@@ -39,6 +39,7 @@ from zerospeed.runtime.config_sections import AioConfig
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
+from zerospeed.runtime.zero.muon.attach import attach_zero3
 from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
@@ -77,6 +78,9 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.parameter_offload = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names,
                                                       precision.param_dtype)
         self._init_sub_groups()
+        # Muon's matrix owners ([Note: owner-based Muon]); nothing for other optimizers
+        attach_zero3(self.optimizer, self._group_ranges, self.fp16_groups, self.fp32_flat,
+                     lambda param: self._slots[id(param)].offset, dp_group, self.world_size)
         self.param_swapper = self._swap_out_partitions()
         self.gradients = Stage3GradientReducer(
             [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self._offloaded,

@@ -63,6 +63,7 @@ from zerospeed.runtime.optimizer_checkpointing import (
 )
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
+from zerospeed.runtime.zero.muon.attach import attach_zero12
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
@@ -164,6 +165,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self.zero_stage = 2 if partition_grads else 1
         self.groups = [self._init_group(index, group, param_names)
                        for index, group in enumerate(init_optimizer.param_groups)]
+        attach_zero12(init_optimizer, self.groups)   # Muon's matrix owners; nothing for other optimizers
         self._init_reduction()
         self._unreduced = False
 

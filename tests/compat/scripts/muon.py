@@ -1,0 +1,92 @@
+"""Compat script: the Muon optimizer type at ZeRO 0-3 and under zero.Init, against DeepSpeed's API.
+
+`main(ds, ctx, fp32_ns)` trains a small language model (embedding, hidden matrices of several
+shapes, biases, a norm, a head) with `"optimizer": {"type": "Muon"}` for 3 steps at each stage and
+reports which parameters got Muon, the param groups, the losses, the grad norms and the final
+parameters. DeepSpeed runs Newton-Schulz in fp16 / bf16 where the accelerator has them; with
+`fp32_ns` its precision choice is patched to fp32 (zerospeed's), so the two can be compared at
+fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, HIDDEN, FFN, MICRO, STEPS = 32, 24, 40, 2, 3
+BLOCK = {"lr": 0.05, "adam_lr": 2e-3, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-10}
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.up = torch.nn.Linear(HIDDEN, FFN)
+        self.down = torch.nn.Linear(FFN, HIDDEN, bias=False)
+        self.odd = torch.nn.Linear(13, 7, bias=False)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        h = h + self.q_proj(h)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        h = h + torch.nn.functional.pad(self.odd(h[..., :13]), (0, HIDDEN - 7))
+        logits = self.lm_head(self.norm(h))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _config(stage: int, world_size: int) -> dict:
+    # DeepSpeed's stage 3 refuses Muon with its default reduce_scatter (zerospeed accepts both).
+    zero = {"stage": stage, "reduce_scatter": False} if stage == 3 else {"stage": stage}
+    return {"train_batch_size": MICRO * world_size, "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "Muon", "params": BLOCK}, "zero_optimization": zero}
+
+
+def _batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, VOCAB, (MICRO * world_size, 6), generator=generator)
+    labels = torch.randint(0, VOCAB, (MICRO * world_size, 6), generator=generator)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    return tokens[rows], labels[rows]
+
+
+def _run(ds, ctx, stage: int, zero_init: bool) -> dict:
+    config = _config(stage, ctx.world_size)
+    torch.manual_seed(0)
+    if zero_init:
+        with ds.zero.Init(config_dict_or_path=config):
+            model = TinyLM()
+    else:
+        model = TinyLM()
+    engine, optimizer, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    flags = {name: bool(getattr(p, "use_muon", None)) for name, p in model.named_parameters()}
+    groups = [{"name": g.get("name"), "use_muon": g["use_muon"], "lr": g["lr"], "weight_decay": g["weight_decay"]}
+              for g in optimizer.param_groups]
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = engine(*_batch(step, ctx.rank, ctx.world_size))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm() or 0.0))
+    params = dict(model.named_parameters())
+    with ds.zero.GatheredParameters(list(params.values())):
+        final = {name: ctx.values(p) for name, p in params.items()}
+    return {"flags": flags, "groups": groups, "losses": losses, "norms": norms, "params": final}
+
+
+def main(ds, ctx, fp32_ns: bool = True) -> dict:
+    if fp32_ns and ctx.impl == "deepspeed":
+        import deepspeed.runtime.zero.muon.original_muon as original_muon
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.disable = True   # DeepSpeed compiles muon_update; the patch must run eagerly
+        original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+    torch.manual_seed(0)
+    initial = {name: ctx.values(p) for name, p in TinyLM().named_parameters()}
+    results: dict = {"initial": initial}
+    for stage in (0, 1, 2, 3):
+        results[f"stage{stage}"] = _run(ds, ctx, stage, zero_init=False)
+    results["stage3_zero_init"] = _run(ds, ctx, 3, zero_init=True)
+    return results

@@ -1,0 +1,62 @@
+"""How each ZeRO wrapper tells `MuonWithAuxAdam` where its matrices are ([Note: owner-based Muon]).
+
+Called once by the wrapper after it has laid out its flat buffers (stage 0: its fp32 masters);
+does nothing for any other optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, ReplicatedOrthogonalizer
+from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
+
+__all__ = ["attach_stage0", "attach_zero12", "attach_zero3", "check_muon_supported"]
+
+
+def check_muon_supported(optimizer: torch.optim.Optimizer, offload: bool) -> None:
+    """What the Muon step cannot do yet is refused here, by name, rather than stepped otherwise."""
+    if isinstance(optimizer, MuonWithAuxAdam) and offload:
+        raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer is not implemented by "
+                         "zerospeed: remove offload_optimizer (or its device) to train with Muon")
+
+
+def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
+    """Stage 0: whole parameters on every rank; each Muon group's matrices split among owners."""
+    if not isinstance(optimizer, MuonWithAuxAdam):
+        return
+    for index, group in enumerate(optimizer.param_groups):
+        if group["use_muon"]:
+            shapes = [tuple(p.shape) for p in group["params"]]
+            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, dp_group))
+
+
+def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> None:
+    """ZeRO 1/2: one flat group buffer per param group, cut into equal rank partitions."""
+    if not isinstance(optimizer, MuonWithAuxAdam):
+        return
+    for opt_group, group in zip(optimizer.param_groups, groups):
+        if not opt_group["use_muon"]:
+            continue
+        specs = flat_partition_specs([tuple(p.shape) for p in group.params], list(group.layout.param_offsets),
+                                     group.layout.partition_numel, group.world_size)
+        optimizer.set_orthogonalizer(group.master, OwnerOrthogonalizer(specs, group.process_group))
+
+
+def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range], sub_group_params: Sequence[Any],
+                 masters: Sequence[torch.Tensor], offset_of: Any, dp_group: Any, world_size: int) -> None:
+    """ZeRO 3: one flat buffer per sub-group, every parameter cut into W chunks at the same offset."""
+    if not isinstance(optimizer, MuonWithAuxAdam):
+        return
+    for opt_group, sub_groups in zip(optimizer.param_groups, group_ranges):
+        if not opt_group["use_muon"]:
+            continue
+        for k in sub_groups:
+            params = sub_group_params[k]
+            specs = per_param_partition_specs([tuple(p.ds_shape) for p in params],
+                                              [offset_of(p) for p in params], world_size)
+            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, dp_group))

@@ -1,0 +1,104 @@
+"""Muon's orthogonalization: the quintic Newton-Schulz iteration and the shape rules around it.
+
+[Note: Muon's update]
+For one matrix with gradient G and momentum buffer M (both in the parameter's shape):
+
+    M <- beta * M + (1 - beta) * G                    (momentum, elementwise)
+    U  = (1 - beta) * G + beta * M   (nesterov)  or  M
+    O  = NS_k(U) * sqrt(max(1, rows / cols))          (Newton-Schulz, k = ns_steps)
+    W <- W * (1 - lr * weight_decay) - lr * O
+
+Only `NS_k` needs the whole matrix; everything else is elementwise, so it runs unchanged on a flat
+ZeRO partition (muon_optimizer.py) and only U travels to the matrix's owner (owner_exchange.py).
+`NS_k` normalizes U by its Frobenius norm (+1e-7) and iterates X <- aX + (bA + cA^2)X, A = XX^T, on
+the wide orientation (rows <= cols), with (a, b, c) = (3.4445, -4.7750, 2.0315): the coefficients of
+DeepSpeed's `zeropower_via_newtonschulz5`, Keller Jordan's Muon and `torch.optim.Muon`.
+
+Two methods give the same result in exact arithmetic (DeepSpeed's `ns_method`):
+- "standard": the iteration above.
+- "gram": the iteration carried on the small Gram matrix R = XX^T (rows x rows) instead of X: each
+  step's polynomial P = aI + bR + cR^2 is accumulated into Q (X_k = Q X_0) and R <- P R P, with X
+  rebuilt once (after 2 steps) to keep the error of the long product bounded; cheaper when
+  cols >> rows.
+
+Shapes: a 2-D matrix is one matrix; a 4-D weight (a convolution) is viewed as (out, in*kh*kw), the
+scale then taken from that view (DeepSpeed takes it from the kernel's last two dims: see
+docs/compatibility.md); 3-D and higher are a batch of matrices over the leading dims.
+
+Everything runs in float32, whatever the parameters' dtype: DeepSpeed runs "gram" in fp16 and
+"standard" in bf16 where the accelerator has them, which is faster on a GPU and differs from the
+full-precision result by about 1e-2 relative (docs/muon.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["NS_COEFFICIENTS", "NS_METHODS", "matrix_view_shape", "orthogonalize", "zeropower"]
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_METHODS = ("gram", "standard")
+_NORM_EPS = 1e-7
+_GRAM_RESTART_STEP = 2
+
+
+def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape Newton-Schulz sees for a parameter of `shape` (see the module note)."""
+    if len(shape) < 2:
+        raise ValueError(f"Muon orthogonalizes matrices; a parameter of shape {tuple(shape)} has "
+                         "fewer than 2 dims (give it use_muon=False: AdamW steps it)")
+    if len(shape) == 4:
+        return (shape[0], math.prod(shape[1:]))
+    return tuple(shape)
+
+
+def _standard(x: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x
+
+
+def _gram(x: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = NS_COEFFICIENTS
+    eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
+    gram = x @ x.mT
+    product: torch.Tensor | None = None   # Q: X_k = Q X (None: the identity)
+    for step in range(steps):
+        if step == _GRAM_RESTART_STEP and product is not None:
+            x = product @ x
+            gram = x @ x.mT
+            product = None
+        poly = a * eye + b * gram + c * (gram @ gram)
+        product = poly if product is None else poly @ product
+        if step < steps - 1 and step + 1 != _GRAM_RESTART_STEP:
+            gram = poly @ (poly @ gram)   # P commutes with R: R_{k+1} = P R P = P^2 R
+    return x if product is None else product @ x
+
+
+def zeropower(update: torch.Tensor, steps: int, method: str = "gram") -> torch.Tensor:
+    """NS_k(update) over the last two dims (a batch over the leading ones), in float32."""
+    if method not in NS_METHODS:
+        raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}")
+    x = update.to(torch.float32)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + _NORM_EPS)
+    x = _standard(x, steps) if method == "standard" else _gram(x, steps)
+    return x.mT if tall else x
+
+
+def orthogonalize(update: torch.Tensor, shape: tuple[int, ...], steps: int = 5,
+                  method: str = "gram") -> torch.Tensor:
+    """O for one parameter ([Note: Muon's update]): `update` holds its elements (any view of
+    `numel(shape)` elements); the result is float32, flat, in the same element order."""
+    view = matrix_view_shape(shape)
+    rows, cols = view[-2], view[-1]
+    result = zeropower(update.reshape(view), steps, method)
+    if rows > cols:
+        result = result * math.sqrt(rows / cols)
+    return result.reshape(-1)

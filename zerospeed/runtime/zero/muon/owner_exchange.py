@@ -1,0 +1,104 @@
+"""Muon's Newton-Schulz step on a partitioned flat buffer: [Note: owner-based Muon] in owner_plan.py.
+
+`OwnerOrthogonalizer(specs, group)` is built once per flat buffer (a ZeRO 1/2 partition, a stage-3
+sub-group) by the ZeRO wrapper and registered with the optimizer (muon_optimizer.py). Called with
+this rank's flat U, it returns this rank's flat O: pieces to owners (all-to-all), Newton-Schulz on
+the owned matrices, pieces back (all-to-all). Elements outside every matrix (padding) come back 0.
+A group of one rank runs the same code with the collectives skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.zero.muon.newton_schulz import orthogonalize
+from zerospeed.runtime.zero.muon.owner_plan import MatrixSpec, Piece, assign_owners, exchange_plan
+
+__all__ = ["OwnerOrthogonalizer", "ReplicatedOrthogonalizer"]
+
+_Route = tuple[tuple[tuple[int, Piece], ...], ...]
+
+
+class OwnerOrthogonalizer:
+    def __init__(self, specs: list[MatrixSpec], group: Any) -> None:
+        self.specs = specs
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.owners = assign_owners([spec.shape for spec in specs], self.world_size)
+        self.plan = exchange_plan(specs, self.owners, comm.get_rank(group), self.world_size)
+        self.num_orthogonalized = 0   # matrices this rank ran Newton-Schulz on, over its lifetime
+
+    def __call__(self, update: torch.Tensor, steps: int, method: str) -> torch.Tensor:
+        plan = self.plan
+        outgoing = _pack(plan.send, update, lambda index, piece: piece.buffer_offset)
+        incoming = self._all_to_all(outgoing, plan.receive_numels(), plan.send_numels())
+        matrices = {index: torch.empty(self.specs[index].numel, dtype=torch.float32, device=update.device)
+                    for index in plan.owned}
+        _unpack(plan.receive, incoming, lambda index, piece: matrices[index].narrow(0, piece.matrix_offset,
+                                                                                      piece.numel))
+        results = {index: orthogonalize(matrix, self.specs[index].shape, steps, method)
+                   for index, matrix in matrices.items()}
+        self.num_orthogonalized += len(results)
+        returning = _pack_results(plan.receive, results, update.device)
+        back = self._all_to_all(returning, plan.send_numels(), plan.receive_numels())
+        out = torch.zeros(update.numel(), dtype=torch.float32, device=update.device)
+        _unpack(plan.send, back, lambda index, piece: out.narrow(0, piece.buffer_offset, piece.numel))
+        return out
+
+    def _all_to_all(self, outgoing: torch.Tensor, receive_numels: list[int],
+                    send_numels: list[int]) -> torch.Tensor:
+        if self.world_size == 1:
+            return outgoing
+        incoming = torch.empty(sum(receive_numels), dtype=outgoing.dtype, device=outgoing.device)
+        comm.all_to_all_single(incoming, outgoing, receive_numels, send_numels, group=self.group)
+        return incoming
+
+
+class ReplicatedOrthogonalizer:
+    """Stage 0: every rank holds every whole matrix. Each orthogonalizes the ones it owns into a
+    zeroed flat buffer, and one all-reduce (a sum with zeros everywhere else: exact) hands every
+    rank every result, so the replicas stay bitwise equal at 1/W of the Newton-Schulz work."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], group: Any) -> None:
+        self.shapes = shapes
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        owners = assign_owners(shapes, self.world_size)
+        rank = comm.get_rank(group)
+        self.owned = [owner == rank for owner in owners]
+        self.num_orthogonalized = 0
+
+    def __call__(self, updates: list[torch.Tensor], steps: int, method: str) -> list[torch.Tensor]:
+        numels = [u.numel() for u in updates]
+        device = updates[0].device if updates else torch.device("cpu")
+        flat = torch.zeros(sum(numels), dtype=torch.float32, device=device)
+        pieces = list(flat.split(numels))
+        for piece, update, shape, mine in zip(pieces, updates, self.shapes, self.owned):
+            if mine:
+                piece.copy_(orthogonalize(update, shape, steps, method))
+                self.num_orthogonalized += 1
+        if self.world_size > 1 and flat.numel():
+            comm.all_reduce(flat, group=self.group)
+        return pieces
+
+
+def _pack(route: _Route, flat: torch.Tensor, offset_of: Any) -> torch.Tensor:
+    parts = [flat.narrow(0, offset_of(index, piece), piece.numel).to(torch.float32)
+             for pieces in route for index, piece in pieces]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=flat.device)
+
+
+def _pack_results(route: _Route, results: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+    parts = [results[index].narrow(0, piece.matrix_offset, piece.numel) for pieces in route for index, piece in pieces]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _unpack(route: _Route, data: torch.Tensor, target_of: Any) -> None:
+    offset = 0
+    for pieces in route:
+        for index, piece in pieces:
+            target_of(index, piece).copy_(data.narrow(0, offset, piece.numel))
+            offset += piece.numel
