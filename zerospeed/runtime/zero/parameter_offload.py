@@ -260,12 +260,12 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
 
     def refresh_persistent_parameters(self) -> None:
         """After a step the partitions changed: re-gather the parameters kept whole."""
-        from zerospeed.runtime.zero.partition_parameters import _drop_data
+        from zerospeed.runtime.zero.param_conversion import drop_data
 
         persistent = [p for p in self.params if p.zs_state.persist]
         for param in persistent:
             if param.zs_state.status is ZeroParamStatus.AVAILABLE:
-                _drop_data(param)
+                drop_data(param)
         gather_params(persistent).wait()
 
     def remove_hooks(self) -> None:

@@ -1,6 +1,6 @@
-"""Partitioning parameters: conversion, the gather / release primitives, `GatheredParameters`
+"""Partitioning parameters: the gather / release primitives, `GatheredParameters`
 and external parameters (DeepSpeed's runtime/zero/partition_parameters.py; `zero.Init` is in
-zero_init.py and re-exported here).
+zero_init.py and conversion in param_conversion.py, both re-exported here).
 
 Invariants
 - Every rank converts the same parameters in the same order, so `ds_id`s agree across ranks and
@@ -15,7 +15,6 @@ Invariants
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,13 +22,12 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator  # also at DeepSpeed's path: transformers reads it here
+from zerospeed.runtime.zero.param_conversion import convert_to_zero_param, drop_data
 from zerospeed.runtime.zero.param_state import (
     ZeroParameter,
     ZeroParamState,
     ZeroParamStatus,
-    attach_state,
     is_zero_param,
-    partition_numel,
     rank_span,
     set_status,
 )
@@ -41,43 +39,8 @@ from zerospeed.runtime.zero.tensor_constructors import (  # noqa: F401 - DeepSpe
 __all__ = ["GatherHandle", "GatheredParameters", "Init", "convert_to_zero_param", "gather_params",
            "register_external_parameter", "release_params", "unregister_external_parameter"]
 
-_ds_ids = itertools.count()  # unique across every model this process builds, same order on every rank
 # gloo gathers: smaller parameters share buffers of up to this size (`_gather_in_place`)
 IN_PLACE_PACK_BYTES = 1 << 20
-
-
-def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-
-
-# --- conversion ------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def convert_to_zero_param(param: torch.nn.Parameter, group: Any = None, name: str = "",
-                          persist: bool = False, broadcast: bool = True) -> ZeroParameter:
-    """Partition a full parameter in place: keep this rank's slice, drop the rest unless `persist`."""
-    if is_zero_param(param):
-        return param
-    group = group if group is not None else comm.get_world_group()
-    world_size, dp_rank = comm.get_world_size(group), comm.get_rank(group)
-    if broadcast and world_size > 1:
-        comm.broadcast(param.data, src=comm.get_global_rank(group, 0), group=group)
-    flat = param.data.reshape(-1)
-    start, real = rank_span(flat.numel(), world_size, dp_rank)
-    part = torch.zeros(partition_numel(flat.numel(), world_size), dtype=flat.dtype, device=flat.device)
-    part[:real].copy_(flat[start:start + real])
-    state = ZeroParamState(ds_id=next(_ds_ids), shape=param.shape, numel=param.numel(),
-                           world_size=world_size, dp_rank=dp_rank, group=group, partition=part,
-                           name=name, persist=persist)
-    zparam = attach_state(param, state)
-    if not persist:
-        _drop_data(zparam)
-    return zparam
-
-
-def _drop_data(param: ZeroParameter) -> None:
-    param.data = _empty_like(param.zs_state.partition)
-    set_status(param, ZeroParamStatus.NOT_AVAILABLE)
 
 
 # --- gather / release --------------------------------------------------------------------------------
@@ -256,7 +219,7 @@ def release_params(params: Iterable[torch.nn.Parameter], has_been_updated: bool 
             raise RuntimeError(f"cannot partition parameter {state.describe()}: still in use by "
                                f"modules {sorted(state.active_sub_modules)}")
         if not state.persist:
-            _drop_data(param)
+            drop_data(param)
 
 
 # --- external parameters -----------------------------------------------------------------------------
@@ -331,7 +294,7 @@ class GatheredParameters:
             self._publish_from(self.modifier_rank)
         for param in self.params:
             if param.zs_state.status is ZeroParamStatus.AVAILABLE and not param.zs_state.active_sub_modules:
-                _drop_data(param)
+                drop_data(param)
 
     @torch.no_grad()
     def _publish_from(self, modifier_rank: int) -> None:

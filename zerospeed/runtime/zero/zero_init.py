@@ -27,6 +27,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.config_utils import warn_config
+from zerospeed.runtime.zero.param_conversion import convert_to_zero_param
 from zerospeed.runtime.zero.param_state import is_zero_param
 
 __all__ = ["Init"]
@@ -182,9 +183,6 @@ class Init:
 
 
 def _convert(param: torch.nn.Parameter, group: Any, name: str) -> Any:
-    # Imported here: partition_parameters re-exports Init from this module (DeepSpeed's path).
-    from zerospeed.runtime.zero.partition_parameters import convert_to_zero_param
-
     return convert_to_zero_param(param, group, name=name)
 
 
