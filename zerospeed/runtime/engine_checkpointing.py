@@ -27,6 +27,7 @@ from zerospeed.checkpoint.layout import LATEST, default_tag, find_model_files, m
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.scripts import checkpoint_scripts
+from zerospeed.checkpoint.universal.engine_load import load_universal_checkpoint
 from zerospeed.checkpoint.zero_checkpoint import (SavedLayout, discover, export_full_state, load_optimizer_state,
                                                   stage0_optimizer_entry)
 from zerospeed.runtime.optimizer_checkpointing import NoOptimizer
@@ -111,6 +112,9 @@ class EngineCheckpointing:
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        if self.load_universal_checkpoint():   # `latest_universal` and zero/<param>/*.pt
+            return load_universal_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only)
         if tag is None:
             if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
                 logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
