@@ -153,3 +153,22 @@ def test_streaming_in_chunks_writes_what_one_pass_writes(saved, tmp_path, stage)
             b = torch.load(zero_b / name / file, weights_only=True)
             a, b = (a["param"], b["param"]) if isinstance(a, dict) else (a, b)
             assert torch.equal(a, b), (name, file)
+
+
+def _pipeline_load(load_dir):
+    from zerospeed.pipe import PipelineModule
+
+    module = PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
+                            loss_fn=torch.nn.functional.mse_loss)
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "checkpoint": {"load_universal": True}}
+    engine, _, _, _ = zerospeed.initialize(model=module, config=config)
+    try:
+        engine.load_checkpoint(load_dir)
+    except NotImplementedError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_pipeline_engine_refuses_load_universal_by_name(tmp_path):
+    assert run_on_ranks(_pipeline_load, 2, str(tmp_path))[0].startswith("checkpoint.load_universal")

@@ -34,7 +34,7 @@ from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
 
 __all__ = ["CHUNK_BYTES", "convert_to_universal"]
 
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 64 * 2**20
 _EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 _LAYER_FILE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt$")
 _SHARDED_KEYS = (C.BASE_OPTIMIZER_STATE, C.PARAM_SLICE_MAPPINGS, C.SINGLE_PARTITION_OF_FP32_GROUPS,
@@ -46,7 +46,7 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     """Write the universal folder of the tag directory `input_folder` to `output_folder`, and
     `latest_universal` beside it (DeepSpeed's `ds_to_universal.main`)."""
     saved, model_files = _source(input_folder)
-    model_state = load_file(model_files[0])
+    model_state = load_file(model_files[0], mmap=True)   # its module weights are never all needed
     if saved.zero_stage <= 2 and model_state.get(UNIVERSAL_CHECKPOINT_INFO) is None and not inject_missing_state:
         raise ValueError(f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint {model_files[0]}: "
                          "pass --inject_missing_state (DeepSpeed's converter requires the same)")
@@ -55,6 +55,10 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     try:
         for index, chunk in enumerate(_chunks(shapes, chunk_bytes)):
             full = _export_chunk(saved, model_state, chunk)
+            # a scalar (the step) is a view of its mmap'd file and would keep every page this chunk
+            # touched mapped while the chunk is written: own it, so the inputs unmap here
+            full.scalars = {name: {k: _owned(v) if torch.is_tensor(v) else v for k, v in values.items()}
+                            for name, values in full.scalars.items()}
             _write_params(writer, full, chunk, shapes, strict)
             del full
             if index == 0:
@@ -160,8 +164,14 @@ def _per_element(value: Any, flat: torch.Tensor) -> bool:
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor saved alone: torch.save writes a view's whole storage (here: padding, neighbours)."""
-    return tensor.detach().contiguous().clone()
+    """A tensor saved alone. torch.save writes a view's whole storage (padding, neighbours) and a
+    view of an mmap'd file keeps the file mapped, so it is copied unless it owns its storage exactly,
+    as the exporters' torch.cat results do. One-element tensors (the step) are always copied: read
+    from an mmap'd file they would pass the size test."""
+    tensor = tensor.detach()
+    exact = (tensor.numel() > 1 and tensor.is_contiguous() and tensor.storage_offset() == 0
+             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return tensor if exact else tensor.contiguous().clone()
 
 
 def _write_params(writer: UniversalFolderWriter, full: FullOptimizerState, chunk: list[str],

@@ -95,6 +95,9 @@ class PipelineCheckpointing:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn is not supported with pipeline parallelism (as DeepSpeed)")
+        if self.load_universal_checkpoint():   # docs/checkpointing.md, universal checkpoints: not yet
+            raise NotImplementedError("checkpoint.load_universal: universal checkpoints do not load into a "
+                                      "pipeline engine yet")
         if tag is None:
             tag = read_latest(load_dir) if os.path.isdir(load_dir) else None
             if tag is None:
