@@ -49,13 +49,15 @@ def _save(stage, save_dir, steps=STEPS_BEFORE):
     return train(engine, batches[STEPS_BEFORE:])
 
 
-def _resume(stage, load_dir):
+def _resume(stage, load_dir, resave_dir=None):
     batches = global_batches(STEPS_BEFORE + STEPS_AFTER, GLOBAL_BATCH)
     engine, _, _, _ = zerospeed.initialize(model=make_model(5), config=config_for(stage, 2, universal=True))
     try:
         path, _ = engine.load_checkpoint(load_dir)
     except Exception as error:  # noqa: BLE001 - the message is the result
         return f"{type(error).__name__}: {error}"
+    if resave_dir is not None:   # what was loaded, in an ordinary checkpoint
+        engine.save_checkpoint(resave_dir)
     return engine.global_steps, os.path.basename(os.path.dirname(path)), train(engine, batches[STEPS_BEFORE:])
 
 
@@ -81,9 +83,28 @@ def test_resume_from_a_universal_folder_at_another_stage(saved, tmp_path, saved_
     proc = _convert(save_dir, str(tmp_path / "uc" / "universal"))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "uc" / "latest_universal").read_text() == "universal"
-    steps, folder, resumed = run_on_ranks(_resume, 2, loaded_stage, str(tmp_path / "uc"))[0]
+    resave = str(tmp_path / "resaved")
+    steps, folder, resumed = run_on_ranks(_resume, 2, loaded_stage, str(tmp_path / "uc"), resave)[0]
     assert (steps, folder) == (STEPS_BEFORE, "universal")
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    # fp32 masters, both Adam moments and the step after the load: exactly the saved ones
+    saved_state, loaded_state = (_full_state(os.path.join(d, f"global_step{STEPS_BEFORE}")) for d in (save_dir, resave))
+    assert sorted(loaded_state.fp32) == sorted(saved_state.fp32)
+    for name, value in saved_state.fp32.items():
+        assert torch.equal(loaded_state.fp32[name], value), name
+        assert sorted(loaded_state.moments[name]) == ["exp_avg", "exp_avg_sq"]
+        for key, moment in saved_state.moments[name].items():
+            assert torch.equal(loaded_state.moments[name][key], moment), (name, key)
+        assert int(loaded_state.scalars[name]["step"]) == int(saved_state.scalars[name]["step"]) == STEPS_BEFORE
+    assert loaded_state.param_groups == saved_state.param_groups
+
+
+def _full_state(tag_dir):
+    from zerospeed.checkpoint.layout import find_model_files
+    from zerospeed.checkpoint.manifest import load_file
+    from zerospeed.checkpoint.zero_checkpoint import discover, export_full_state
+
+    return export_full_state(discover(tag_dir, bf16_first=False), load_file(find_model_files(tag_dir)[0]))
 
 
 @pytest.mark.parametrize("point", ["universal_mid_params", "universal_before_rename", "universal_before_latest"])
