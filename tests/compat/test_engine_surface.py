@@ -17,7 +17,7 @@ import pytest
 from compat_harness import run_both
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "engine_surface.py")
-OUR_EXTRA_FILES = ("zs_manifest.json", "zero_to_fp32.py")  # the commit manifest; the converter at stage 0 too
+OUR_EXTRA_FILES = ("zs_manifest.json", "zero_to_fp32.py", "zero_to_torch.py")  # the manifest; the converters at stage 0 too
 
 
 @pytest.fixture(scope="module")

@@ -141,3 +141,19 @@ def test_saved_model_loads_without_zerospeed_and_equals_deepspeeds(runs, stage):
             torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-6, msg=f"{side} {name}")
     model = LlamaForCausalLM.from_pretrained(runs[stage]["zs"])
     torch.testing.assert_close(model.model.embed_tokens.weight.detach(), theirs["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_dir_holds_every_file_deepspeeds_holds(runs, stage):
+    """The HF checkpoint directory written through the alias holds every file DeepSpeed's holds:
+    `zero_to_fp32.py` and `zero_to_torch.py` beside `latest` included. Ours adds the tag
+    directory's integrity manifest (docs/compatibility.md)."""
+    def names(side: str) -> set[str]:
+        root = os.path.join(runs[stage][side], f"checkpoint-{SAVE_STEPS}")
+        return {os.path.relpath(os.path.join(folder, name), root)
+                for folder, _, files in os.walk(root) for name in files}
+
+    theirs, ours = names("ds"), names("zs")
+    assert {"zero_to_fp32.py", "zero_to_torch.py"} <= theirs
+    assert theirs <= ours, f"missing from zerospeed's checkpoint: {sorted(theirs - ours)}"
+    assert ours - theirs <= {f"global_step{SAVE_STEPS}/zs_manifest.json"}, sorted(ours - theirs)

@@ -154,6 +154,28 @@ def test_cli(saved, tmp_path):
     assert torch.equal(state["mix.weight"], full["mix.weight"])
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_zero_to_torch_cli_writes_the_dtype(saved, tmp_path, dtype):
+    """The copied zero_to_torch.py (beside zero_to_fp32.py) with --dtype: floating tensors cast from
+    the fp32 result, the int64 buffer kept; the API's `dtype=` takes torch dtypes as well."""
+    save_dir, full, frozen = saved
+    script = os.path.join(str(save_dir), "zero_to_torch.py")
+    subprocess.run([sys.executable, script, str(save_dir), str(tmp_path / "cli"), "--dtype", dtype],
+                   check=True, capture_output=True, cwd=str(tmp_path))
+    state = torch.load(tmp_path / "cli" / "pytorch_model.bin", weights_only=True)
+    reference = z.get_fp32_state_dict_from_zero_checkpoint(str(save_dir))
+    target = z.OUTPUT_DTYPE_NAMES[dtype]
+    assert sorted(state) == sorted(reference)
+    for name, tensor in reference.items():
+        expected = tensor.to(target) if tensor.is_floating_point() else tensor
+        assert state[name].dtype == expected.dtype and torch.equal(state[name], expected), name
+    z.convert_zero_checkpoint_to_state_dict(str(save_dir), str(tmp_path / "api"), dtype=target)
+    assert torch.equal(torch.load(tmp_path / "api" / "pytorch_model.bin", weights_only=True)["mix.weight"],
+                       state["mix.weight"])
+    with pytest.raises(ValueError, match="Unsupported output dtype 'int8'"):
+        z.convert_zero_checkpoint_to_state_dict(str(save_dir), str(tmp_path / "bad"), dtype="int8")
+
+
 def test_empty_tensors_are_an_error(tmp_path):
     tag = tmp_path / "global_step1"
     tag.mkdir()

@@ -23,9 +23,11 @@ from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
-from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag, find_model_files, model_states_name
+from zerospeed.checkpoint.layout import LATEST, default_tag, find_model_files, model_states_name
 from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
+from zerospeed.checkpoint.scripts import checkpoint_scripts
+from zerospeed.checkpoint.universal.engine_load import load_universal_checkpoint
 from zerospeed.checkpoint.zero_checkpoint import (SavedLayout, discover, export_full_state, load_optimizer_state,
                                                   stage0_optimizer_entry)
 from zerospeed.runtime.optimizer_checkpointing import NoOptimizer
@@ -65,7 +67,7 @@ class EngineCheckpointing:
                 C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(ctx.optimizer.state_dict())),
                 C.DS_CONFIG: ctx.ds_config,
                 C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
-        transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
+        transaction.commit(save_latest, extra_files=checkpoint_scripts())
         return True
 
     def _checkpoint_context(self) -> CheckpointContext:
@@ -120,6 +122,9 @@ class EngineCheckpointing:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         self._refuse_partitioned_without_optimizer("load_checkpoint")
+        if self.load_universal_checkpoint():   # `latest_universal` and zero/<param>/*.pt
+            return load_universal_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only)
         if tag is None:
             if not os.path.isdir(load_dir):  # DeepSpeed's return value, with the actual reason
                 logger.warning(f"Unable to load a checkpoint: the checkpoint directory {load_dir} does not exist; "
@@ -252,10 +257,4 @@ def _client_state(model_state: dict[str, Any], loaded_optimizer: bool, loaded_sc
     if loaded_scheduler:
         excluded.add(C.LR_SCHEDULER)
     return {key: value for key, value in model_state.items() if key not in excluded}
-
-
-def zero_to_fp32_source() -> str:
-    from zerospeed.utils import zero_to_fp32
-
-    return zero_to_fp32.__file__
 

@@ -4,6 +4,9 @@
     python zero_to_fp32.py <checkpoint_dir> <output_dir> [--max_shard_size 5GB] [--safe_serialization]
                            [-t TAG] [--exclude_frozen_parameters] [-d]
 
+`convert_zero_checkpoint_to_state_dict(..., dtype=...)` (and `zero_to_torch.py --dtype`, its sibling
+in the checkpoint directory) writes the floating-point tensors as fp32, fp16 or bf16 instead.
+
 Standalone: torch, the standard library and (for --safe_serialization) safetensors, nothing else,
 because a copy of this file is written into every checkpoint directory.
 
@@ -52,7 +55,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+__all__ = ["OUTPUT_DTYPE_NAMES", "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
+           "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint", "get_model_state_file", "get_model_state_files",
            "get_optim_files"]
 
@@ -62,6 +66,9 @@ _EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt
 _EXPERT_KEY = ".deepspeed_moe.experts.deepspeed_experts."
 _ALLOW_PICKLE_ENV = "ZEROSPEED_CHECKPOINT_ALLOW_PICKLE"
 debug = False
+# the names `--dtype` and `dtype=` accept (DeepSpeed 0.19.8's spellings)
+OUTPUT_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                      "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 class _Source:
@@ -657,13 +664,42 @@ def plan_shards(sources: OrderedDict, max_shard_bytes: int | None) -> list[list[
     return shards
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size="5GB",
-                                               safe_serialization: bool = False, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> None:
-    """Write `pytorch_model.bin` / `model.safetensors`, or shards plus the HF index, one shard at a time."""
-    sources = _sources(checkpoint_dir, tag, exclude_frozen_parameters)
-    if safe_serialization:  # safetensors refuses shared storage; HF re-ties the aliases on load
-        sources = OrderedDict((n, s) for n, s in sources.items() if s.alias_of is None)
+def _output_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype or one of OUTPUT_DTYPE_NAMES (optionally spelled `torch.<name>`)."""
+    resolved = OUTPUT_DTYPE_NAMES.get(dtype.lower().removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if resolved not in OUTPUT_DTYPE_NAMES.values():
+        raise ValueError(f"Unsupported output dtype {dtype!r}. Choose one of: {', '.join(sorted(OUTPUT_DTYPE_NAMES))}")
+    return resolved  # type: ignore[return-value]
+
+
+def _cast(sources: OrderedDict, dtype: torch.dtype) -> OrderedDict:
+    """Floating-point entries built in `dtype` (shard sizes follow it); integer and bool buffers keep theirs."""
+    if dtype == torch.float32:
+        return sources
+    cast: OrderedDict = OrderedDict()
+    for name, source in sources.items():
+        if source.alias_of is not None or not source.dtype.is_floating_point:
+            cast[name] = source
+        else:
+            cast[name] = _Source(source.shape, dtype, lambda s=source: s.build().to(dtype))
+    return cast
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str,
+                                          dtype: torch.dtype | str = torch.float32, max_shard_size="5GB",
+                                          safe_serialization: bool = False, tag: str | None = None,
+                                          exclude_frozen_parameters: bool = False) -> None:
+    """Write `pytorch_model.bin` / `model.safetensors`, or shards plus the HF index, one shard at a time,
+    floating-point tensors in `dtype` (fp32, fp16 or bf16)."""
+    dtype = _output_dtype(dtype)
+
+    def sources_of(verify: bool) -> OrderedDict:
+        sources = _cast(_sources(checkpoint_dir, tag, exclude_frozen_parameters, verify), dtype)
+        if safe_serialization:  # safetensors refuses shared storage; HF re-ties the aliases on load
+            sources = OrderedDict((n, s) for n, s in sources.items() if s.alias_of is None)
+        return sources
+
+    sources = sources_of(verify=True)
     shards = plan_shards(sources, None if max_shard_size is None else parse_size(max_shard_size))
     total_bytes = sum(sources[name].nbytes for shard in shards for name in shard)
     stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
@@ -677,7 +713,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
             # (and counted as resident) until their mapping goes, so dropping it bounds the peak
             # to about one shard of input plus one of output. Verified once, on the first open.
             del sources
-            sources = _sources(checkpoint_dir, tag, exclude_frozen_parameters, verify=False)
+            sources = sources_of(verify=False)
         tensors = _materialize(sources, shard)
         if debug:
             print(f"writing {file_name}: {len(tensors)} tensors")
@@ -688,6 +724,14 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         with open(os.path.join(output_dir, f"{stem}.{ext}.index.json"), "w") as handle:
             handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size="5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> None:
+    """`convert_zero_checkpoint_to_state_dict` in fp32."""
+    convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                          safe_serialization, tag, exclude_frozen_parameters)
 
 
 def _save(tensors: OrderedDict, path: str, safe_serialization: bool) -> None:

@@ -26,11 +26,11 @@ from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
-from zerospeed.checkpoint.layout import ZERO_TO_FP32, default_tag, model_states_name, optim_states_name
+from zerospeed.checkpoint.layout import default_tag, model_states_name, optim_states_name
 from zerospeed.checkpoint.manifest import load_file
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
+from zerospeed.checkpoint.scripts import checkpoint_scripts
 from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
-from zerospeed.runtime.engine_checkpointing import zero_to_fp32_source
 from zerospeed.runtime.pipe.partition import partition_uniform
 from zerospeed.utils.logging import logger
 
@@ -87,7 +87,7 @@ class PipelineCheckpointing:
             transaction.write(optim_file, {
                 C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(ctx.optimizer.state_dict())),
                 C.DS_CONFIG: self._config._param_dict, C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
-        transaction.commit(save_latest, extra_files={ZERO_TO_FP32: zero_to_fp32_source()})
+        transaction.commit(save_latest, extra_files=checkpoint_scripts())
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -95,6 +95,9 @@ class PipelineCheckpointing:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn is not supported with pipeline parallelism (as DeepSpeed)")
+        if self.load_universal_checkpoint():   # docs/checkpointing.md, universal checkpoints: not yet
+            raise NotImplementedError("checkpoint.load_universal: universal checkpoints do not load into a "
+                                      "pipeline engine yet")
         if tag is None:
             tag = read_latest(load_dir) if os.path.isdir(load_dir) else None
             if tag is None:

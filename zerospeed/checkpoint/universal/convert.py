@@ -1,0 +1,216 @@
+"""A ZeRO checkpoint (zerospeed's or DeepSpeed's, stage 1-3) converted to DeepSpeed's universal folder.
+
+[Note: streaming conversion]
+DeepSpeed's `ds_to_universal` loads every rank's optim file whole, writes every parameter's
+fragments to a temporary folder and merges them. Here nothing is written twice and the model is
+never held at once: the parameters are taken in flat order, in chunks of about `chunk_bytes` of
+fp32 state (at least one parameter), and for each chunk every rank's optim file is opened with
+mmap and cut down to the chunk's parameters (stage 1/2: its `param_slice_mappings`; stage 3: a
+window of its flat groups), then read by the same exporters a resharded load uses
+(full_state.py `export_zero12` / `export_zero3`). The files are re-opened for every chunk so the
+pages the previous chunk touched are unmapped: peak memory is about one chunk of state plus its
+input pages, not the model. The folder is written crash-safe ([Note: atomic universal folder]).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint.atomic import crash_point
+from zerospeed.checkpoint.deepspeed_format import zero_state_for_deepspeed
+from zerospeed.checkpoint.full_state import FullOptimizerState, export_zero3, export_zero12, merge_param_shapes
+from zerospeed.checkpoint.manifest import load_file
+from zerospeed.checkpoint.universal.folder import UniversalFolderWriter
+from zerospeed.checkpoint.universal.layout import (CAT_DIM, FP32, OPTIMIZER_STATE_FILE, PARAM, STEP,
+                                                   UNIVERSAL_CHECKPOINT_INFO, ZERO_DIR, state_file)
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
+
+__all__ = ["CHUNK_BYTES", "convert_to_universal"]
+
+CHUNK_BYTES = 64 * 2**20
+_EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
+_LAYER_FILE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt$")
+_SHARDED_KEYS = (C.BASE_OPTIMIZER_STATE, C.PARAM_SLICE_MAPPINGS, C.SINGLE_PARTITION_OF_FP32_GROUPS,
+                 C.FP32_FLAT_GROUPS, C.OPTIMIZER_STATE_DICT)
+
+
+def convert_to_universal(input_folder: str, output_folder: str, strict: bool = True,
+                         inject_missing_state: bool = False, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Write the universal folder of the tag directory `input_folder` to `output_folder`, and
+    `latest_universal` beside it (DeepSpeed's `ds_to_universal.main`)."""
+    saved, model_files = _source(input_folder)
+    model_state = load_file(model_files[0], mmap=True)   # its module weights are never all needed
+    if saved.zero_stage <= 2 and model_state.get(UNIVERSAL_CHECKPOINT_INFO) is None and not inject_missing_state:
+        raise ValueError(f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint {model_files[0]}: "
+                         "pass --inject_missing_state (DeepSpeed's converter requires the same)")
+    shapes = merge_param_shapes(model_state[C.PARAM_SHAPES])
+    writer = UniversalFolderWriter(output_folder).begin()
+    try:
+        for index, chunk in enumerate(_chunks(shapes, chunk_bytes)):
+            full = _export_chunk(saved, model_state, chunk)
+            # a scalar (the step) is a view of its mmap'd file and would keep every page this chunk
+            # touched mapped while the chunk is written: own it, so the inputs unmap here
+            full.scalars = {name: {k: _owned(v) if torch.is_tensor(v) else v for k, v in values.items()}
+                            for name, values in full.scalars.items()}
+            _write_params(writer, full, chunk, shapes, strict)
+            del full
+            if index == 0:
+                crash_point("universal_mid_params")
+        if saved.zero_stage <= 2:   # as DeepSpeed: frozen params and buffers too, from the module
+            _write_module_entries(writer, model_state, shapes)
+        writer.save(os.path.join(ZERO_DIR, OPTIMIZER_STATE_FILE), _optimizer_state(saved), deepspeed_names=True)
+        for path in model_files:
+            writer.copy(path, os.path.basename(path))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _source(tag_dir: str) -> tuple[SavedLayout, list[str]]:
+    """The saved layout, and the model-states files to copy; layouts not converted yet are refused."""
+    if not os.path.isdir(tag_dir):
+        raise FileNotFoundError(f"--input_folder {tag_dir} is not a checkpoint tag directory")
+    saved = discover(tag_dir, bf16_first=True)
+    names = [os.path.basename(path) for path in saved.model_files]
+    if any(_LAYER_FILE.search(name) for name in names):
+        raise NotImplementedError(f"{tag_dir} is a pipeline checkpoint (layer_*-model_states.pt): its conversion "
+                                  "to the universal format is not implemented yet")
+    if any(_EXPERT_FILE.search(name) for name in names):
+        raise NotImplementedError(f"{tag_dir} holds MoE expert files: their conversion to the universal format "
+                                  "is not implemented yet")
+    if any("mp_rank_00" not in name for name in names):
+        raise NotImplementedError(f"{tag_dir} is a tensor-parallel checkpoint (mp_rank > 0): its conversion to "
+                                  "the universal format is not implemented yet")
+    if saved.zero_stage == 0:
+        raise ValueError(f"{tag_dir} has no ZeRO optimizer files (*_optim_states.pt): the universal format "
+                         "converts ZeRO stage 1-3 checkpoints")
+    return saved, saved.model_files
+
+
+def _chunks(shapes: dict[str, torch.Size], chunk_bytes: int) -> Iterator[list[str]]:
+    """Runs of parameters in flat order holding about `chunk_bytes` of fp32 value and two moments."""
+    chunk: list[str] = []
+    size = 0
+    for name, shape in shapes.items():
+        numel_bytes = 3 * 4 * math.prod(shape)
+        if chunk and size + numel_bytes > chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(name)
+        size += numel_bytes
+    if chunk:
+        yield chunk
+
+
+def _export_chunk(saved: SavedLayout, model_state: dict[str, Any], chunk: list[str]) -> FullOptimizerState:
+    wanted = set(chunk)
+    if saved.zero_stage in (1, 2):
+        return export_zero12(_zero12_states(saved, wanted), model_state[C.PARAM_SHAPES])
+    groups = model_state[C.PARAM_SHAPES]
+    groups = groups if isinstance(groups, list) else [groups]
+    windows = _zero3_windows(groups, wanted, saved.dp_world_size)
+    restricted = [{name: shape for name, shape in group.items() if name in wanted} for group in groups]
+    return export_zero3(_zero3_states(saved, windows), restricted, saved.dp_world_size)
+
+
+def _zero12_states(saved: SavedLayout, wanted: set[str]) -> Iterator[dict[str, Any]]:
+    """Each rank's state with only the chunk's fragments mapped (the tensors stay mmap'd)."""
+    for path in saved.optim_files:
+        state = load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
+        mappings = [{name: address for name, address in group.items() if name in wanted}
+                    for group in state[C.PARAM_SLICE_MAPPINGS]]
+        yield {**state, C.PARAM_SLICE_MAPPINGS: mappings}
+
+
+def _zero3_windows(groups: list[dict[str, Any]], wanted: set[str], world: int) -> list[tuple[int, int]]:
+    """(offset, numel) per sub-group of the chunk's partitions: the same on every rank, because
+    each parameter takes ceil(numel / world) elements of every rank's flat."""
+    windows = []
+    for group in groups:
+        offset, start, end = 0, None, 0
+        for name, shape in group.items():
+            chunk_numel = -(-math.prod(shape) // world)
+            if name in wanted:
+                start = offset if start is None else start
+                end = offset + chunk_numel
+            offset += chunk_numel
+        windows.append((0, 0) if start is None else (start, end - start))
+    return windows
+
+
+def _zero3_states(saved: SavedLayout, windows: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+    for path in saved.optim_files:
+        state = load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
+        base = state[C.OPTIMIZER_STATE_DICT]
+        indices = [index for group in base["param_groups"] for index in group["params"]]
+        flats, cut = [], {}
+        for k, (flat, window) in enumerate(zip(state[C.FP32_FLAT_GROUPS], windows)):
+            flats.append(flat.narrow(0, *window))
+            cut[indices[k]] = {key: value.narrow(0, *window) if _per_element(value, flat) else value
+                               for key, value in base["state"].get(indices[k], {}).items()}
+        yield {**state, C.FP32_FLAT_GROUPS: flats, C.OPTIMIZER_STATE_DICT: {**base, "state": cut}}
+
+
+def _per_element(value: Any, flat: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == flat.numel()
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor saved alone. torch.save writes a view's whole storage (padding, neighbours) and a
+    view of an mmap'd file keeps the file mapped, so it is copied unless it owns its storage exactly,
+    as the exporters' torch.cat results do. One-element tensors (the step) are always copied: read
+    from an mmap'd file they would pass the size test."""
+    tensor = tensor.detach()
+    exact = (tensor.numel() > 1 and tensor.is_contiguous() and tensor.storage_offset() == 0
+             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return tensor if exact else tensor.contiguous().clone()
+
+
+def _write_params(writer: UniversalFolderWriter, full: FullOptimizerState, chunk: list[str],
+                  shapes: dict[str, torch.Size], strict: bool) -> None:
+    for name in chunk:
+        if name not in full.fp32:
+            raise ValueError(f"parameter {name!r} of param_shapes has no fp32 partition in the optim files")
+        value = full.fp32[name]
+        if strict and value.shape != shapes[name]:
+            raise ValueError(f"parameter {name!r}: merged shape {tuple(value.shape)}, param_shapes says "
+                             f"{tuple(shapes[name])}")
+        writer.save(state_file(name, FP32), {PARAM: _owned(value), CAT_DIM: 0})
+        for key, moment in full.moments.get(name, {}).items():
+            writer.save(state_file(name, key), {PARAM: _owned(moment), CAT_DIM: 0})
+        step = full.scalars.get(name, {}).get(STEP)
+        if step is not None:
+            writer.save(state_file(name, STEP), _owned(step) if torch.is_tensor(step) else step)
+
+
+def _write_module_entries(writer: UniversalFolderWriter, model_state: dict[str, Any],
+                          shapes: dict[str, torch.Size]) -> None:
+    """Entries of the module the optimizer does not hold (frozen params, buffers): fp32.pt only."""
+    for name, tensor in (model_state.get(C.MODULE) or {}).items():
+        if name not in shapes and torch.is_tensor(tensor) and tensor.numel() > 0:
+            writer.save(state_file(name, FP32), {PARAM: _owned(tensor.float())})
+
+
+def _optimizer_state(saved: SavedLayout) -> dict[str, Any]:
+    """Rank 0's optimizer state without its partitions, and `param_groups` at the top level: what
+    DeepSpeed's stage-1/2 loader reads (loss scaler, clip_grad, ds_version, param_groups) and
+    what its stage-3 loader reads (`optimizer_state_dict.state[0].step`, `.param_groups`)."""
+    first = load_file(saved.optim_files[0], mmap=True)
+    state = first[C.OPTIMIZER_STATE_DICT]
+    base = state[C.BASE_OPTIMIZER_STATE] if saved.zero_stage <= 2 else state[C.OPTIMIZER_STATE_DICT]
+    small = {key: value for key, value in state.items() if key not in _SHARDED_KEYS}
+    scalars = {index: {key: _owned(value) if torch.is_tensor(value) else value for key, value in entry.items()
+                       if not (torch.is_tensor(value) and value.dim() >= 1)}
+               for index, entry in base["state"].items()}
+    small[C.OPTIMIZER_STATE_DICT] = {"state": scalars, "param_groups": base["param_groups"]}
+    small["param_groups"] = base["param_groups"]
+    small.setdefault(C.ZERO_STAGE, saved.zero_stage)
+    return zero_state_for_deepspeed(small)   # DeepSpeed's loaders use its loss-scaler object

@@ -1,0 +1,80 @@
+"""`load_checkpoint` with `"checkpoint": {"load_universal": true}` (DeepSpeed's universal load).
+
+The tag comes from `<load_dir>/latest_universal` (missing: ValueError, as DeepSpeed). The
+counters, the scheduler and the client state come from the folder's model-states file (this
+rank's, or dp rank 0's when the run has more ranks than the writer); the parameters and the
+optimizer state come from `zero/<param>/*.pt` as one more source of the full state
+([Note: full layout]), which the optimizer's `load_full_state` cuts for this run's stage and
+data-parallel size, as a resharded load does. Persistent buffers are restored from the
+model-states file (DeepSpeed leaves them at their initial values). The engine is handed in;
+nothing here imports the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint.atomic import resolve_tag_dir
+from zerospeed.checkpoint.manifest import CheckpointIntegrityError, load_file, verify_files
+from zerospeed.checkpoint.moe_reshard import full_state_names
+from zerospeed.checkpoint.universal.layout import LATEST_UNIVERSAL
+from zerospeed.checkpoint.universal.read import read_universal_state
+
+__all__ = ["load_universal_checkpoint", "read_latest_universal"]
+
+
+def read_latest_universal(load_dir: str) -> str:
+    path = os.path.join(load_dir, LATEST_UNIVERSAL)
+    if not os.path.isfile(path):
+        raise ValueError(f"Invalid for universal checkpoint: {path} does not exist")
+    try:
+        with open(path, "rb") as handle:
+            tag = handle.read(4097).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointIntegrityError(f"checkpoint file {path} is unreadable: {error}") from error
+    if not tag or len(tag) > 4096 or not tag.isprintable():
+        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupt: it should hold one folder name")
+    return tag
+
+
+def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True,
+                              load_lr_scheduler_states: bool = True,
+                              load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    folder = resolve_tag_dir(load_dir, read_latest_universal(load_dir) if tag is None else str(tag))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"universal checkpoint directory {folder} does not exist")
+    ctx = engine._checkpoint_context()
+    if ctx.has_moe_layers or ctx.tensor_parallel:
+        what = "MoE" if ctx.has_moe_layers else "AutoTP"
+        raise NotImplementedError(f"loading a universal checkpoint into an {what} model is not implemented yet")
+    model_path = engine._model_file_for_this_rank(folder)
+    verify_files(folder, [os.path.basename(model_path)])
+    model_state = load_file(model_path)
+    with_optimizer = load_optimizer_states and not load_module_only
+    names = full_state_names(ctx.param_names)
+    shapes = {names[name]: torch.Size(getattr(param, "ds_shape", param.shape))
+              for param, name in ctx.param_names.items() if param.requires_grad}
+    full = read_universal_state(folder, shapes, load_moments=with_optimizer)
+    ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=with_optimizer)
+    _load_buffers(engine.module, model_state.get(C.MODULE) or {})
+    loaded_scheduler = False
+    if not load_module_only:
+        loaded_scheduler = engine._load_scheduler(model_state, load_lr_scheduler_states)
+        engine._load_counters(model_state)
+    comm.barrier(engine._checkpoint_group())
+    excluded = set(C.CLIENT_STATE_EXCLUDED_KEYS) | ({C.OPTIMIZER} if with_optimizer else set())
+    excluded |= {C.LR_SCHEDULER} if loaded_scheduler else set()
+    return model_path, {key: value for key, value in model_state.items() if key not in excluded}
+
+
+@torch.no_grad()
+def _load_buffers(module: torch.nn.Module, saved: dict[str, Any]) -> None:
+    buffers = dict(module.named_buffers())
+    for name, value in saved.items():
+        if name in buffers and torch.is_tensor(value) and value.shape == buffers[name].shape:
+            buffers[name].copy_(value)
