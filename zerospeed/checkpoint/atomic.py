@@ -72,15 +72,16 @@ def write_text_durably(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def read_latest(load_dir: str) -> str | None:
-    """The tag `<load_dir>/latest` names, None when there is no such file.
+def read_latest(load_dir: str, name: str = LATEST) -> str | None:
+    """The tag `<load_dir>/latest` (or another pointer file: `latest_universal`) names, None when
+    there is no such file.
 
     A `latest` that is not a short line of text (binary junk, a truncated write by another tool)
     is a CheckpointIntegrityError naming the file, like every other damaged checkpoint file.
     """
     from zerospeed.checkpoint.manifest import CheckpointIntegrityError
 
-    path = os.path.join(load_dir, LATEST)
+    path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         return None
     try:

@@ -19,8 +19,8 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint.atomic import resolve_tag_dir
-from zerospeed.checkpoint.manifest import CheckpointIntegrityError, load_file, verify_files
+from zerospeed.checkpoint.atomic import read_latest, resolve_tag_dir
+from zerospeed.checkpoint.manifest import load_file, verify_files
 from zerospeed.checkpoint.moe_reshard import full_state_names
 from zerospeed.checkpoint.universal.layout import LATEST_UNIVERSAL
 from zerospeed.checkpoint.universal.read import read_universal_state
@@ -29,16 +29,9 @@ __all__ = ["load_universal_checkpoint", "read_latest_universal"]
 
 
 def read_latest_universal(load_dir: str) -> str:
-    path = os.path.join(load_dir, LATEST_UNIVERSAL)
-    if not os.path.isfile(path):
-        raise ValueError(f"Invalid for universal checkpoint: {path} does not exist")
-    try:
-        with open(path, "rb") as handle:
-            tag = handle.read(4097).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointIntegrityError(f"checkpoint file {path} is unreadable: {error}") from error
-    if not tag or len(tag) > 4096 or not tag.isprintable():
-        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupt: it should hold one folder name")
+    tag = read_latest(load_dir, LATEST_UNIVERSAL)   # a damaged pointer raises, naming the file
+    if tag is None:
+        raise ValueError(f"Invalid for universal checkpoint: {os.path.join(load_dir, LATEST_UNIVERSAL)} does not exist")
     return tag
 
 
