@@ -32,6 +32,9 @@ def _llama(seed: int) -> torch.nn.Module:
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "sdpa"
+    # Training: with the KV cache on (transformers' default), each layer's first cache update
+    # differs from the next one's and dynamo compiles the layer twice, with or without ZeRO.
+    config.use_cache = False
     return LlamaForCausalLM(config)
 
 
@@ -87,9 +90,9 @@ def test_compiled_gpt_matches_eager_without_graph_breaks_or_recompiles(stage):
         torch.testing.assert_close(result["compiled"], result["eager"], rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_compiled_llama_blocks_have_no_graph_break(stage):
-    for result in run_on_ranks(_compiled_vs_eager, 2, "llama", stage, timeout_s=300):
+def test_compiled_llama_blocks_have_no_graph_break_at_stage_3():
+    """Stage 3 compiles the decoder layers alone (stages 0-2 compile the whole model, whose ZeRO
+    hooks are gradient hooks, as the GPT test shows): one graph for both layers, nothing else."""
+    for result in run_on_ranks(_compiled_vs_eager, 2, "llama", 3, timeout_s=300):
         torch.testing.assert_close(result["compiled"], result["eager"], rtol=RTOL, atol=0)
-        if stage == 3:   # each decoder layer is compiled alone: one graph for both, nothing else
-            assert result["breaks"] == {} and (result["graphs"], result["frames"]) == (1, 1), result
+        assert result["breaks"] == {} and (result["graphs"], result["frames"]) == (1, 1), result
