@@ -68,6 +68,10 @@ def _worker(rank: int, spec: Spec, init_file: str, results: Any) -> None:
                       OMP_NUM_THREADS="1")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    # Inductor's pool of compile workers would otherwise stay on the two cores beside the ranks.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     ds = importlib.import_module(spec.impl)
     ds.init_distributed(dist_backend="gloo")
