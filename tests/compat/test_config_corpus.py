@@ -44,9 +44,9 @@ ZEROSPEED_REFUSES: dict[str, str] = {
 # corpus file -> the key zerospeed warns about and ignores (DeepSpeed refuses the config).
 ZEROSPEED_WARNS: dict[str, str] = {
     # DeepSpeed 0.19.8's CompileConfig dropped the `disable` and `backend` keys older releases read;
-    # zerospeed ignores the whole section unless deepcompile is on.
-    "axolotl--zero1_torch_compile.json": "section 'compile'",
-    "axolotl--zero2_torch_compile.json": "section 'compile'",
+    # zerospeed drops each unknown key of the section with a warning.
+    "axolotl--zero1_torch_compile.json": "compile.disable",
+    "axolotl--zero2_torch_compile.json": "compile.disable",
     # a key of the Megatron-DeepSpeed fork's ZeRO config (lenient checkpoint loading).
     "megatron-deepspeed--universal_checkpointing--ds_config.json": "zero_optimization.ignore_missing_optim_state",
 }

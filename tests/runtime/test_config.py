@@ -263,11 +263,11 @@ def test_loss_scale_keys_under_bf16_warn_and_are_ignored():
 def test_unimplemented_sections_that_cannot_change_the_numbers_warn_once_each():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config = _config({"compile": {"deepcompile": False}, "hybrid_engine": {"enabled": True},
+        config = _config({"hybrid_engine": {"enabled": True},
                           "torch_autocast": {"enabled": False}, "autotuning": {"enabled": True}})
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    assert len(messages) == 4
-    for key in ("compile", "hybrid_engine", "torch_autocast", "autotuning"):
+    assert len(messages) == 3
+    for key in ("hybrid_engine", "torch_autocast", "autotuning"):
         assert sum(f"section '{key}'" in message for message in messages) == 1, (key, messages)
     assert config.train_batch_size == 8
 
@@ -277,6 +277,8 @@ def test_unimplemented_sections_that_cannot_change_the_numbers_warn_once_each():
     ({"elasticity": {"enabled": True}}, "elasticity: removed from DeepSpeed"),
     ({"amp": {"enabled": False}}, "amp: removed from DeepSpeed"),
     ({"compile": {"deepcompile": True}}, "compile: DeepCompile"),
+    ({"compile": {"deepcompile": True, "passes": ["z3"]}}, "compile: DeepCompile"),
+    ({"compile": {"autoep_non_moe": True}}, "compile: compiling around AutoEP layers"),
     ({"torch_autocast": {"enabled": True}}, "torch_autocast: torch.autocast"),
     ({"data_efficiency": {"enabled": True}}, "data_efficiency: data efficiency"),
     ({"expert_parallel": {"enabled": True}}, "expert_parallel: AutoEP"),
@@ -378,3 +380,13 @@ def test_odd_allgather_bucket_size_is_accepted_where_no_stage_reads_it(stage):
     # DeepSpeed asserts evenness only in its stage-1/2 optimizer.
     config = _config({"zero_optimization": {"stage": stage, "allgather_bucket_size": 4321}})
     assert config.zero_config.allgather_bucket_size == 4321
+
+
+def test_compile_section_is_typed_with_deepspeeds_defaults_and_compiles_nothing_at_load():
+    config = _config({"compile": {"deepcompile": False, "passes": ["z1"], "double_buffer": False}})
+    assert config.compile_config.passes == ["z1"] and config.compile_config.double_buffer is False
+    assert _config({}).compile_config.deepcompile is False
+    with pytest.raises(ConfigError, match="did you mean 'double_buffer'"):
+        _config({"compile": {"double_bufer": True}})
+    with pytest.raises(ConfigError, match="passes"):
+        _config({"compile": {"passes": ["z2"]}})

@@ -100,6 +100,7 @@ class DeepSpeedConfig:
         self.timers_config = m.timers
         self.pipeline = m.pipeline
         self.tensor_parallel_config = m.tensor_parallel
+        self.compile_config = m.compile
 
     def print(self, name: str) -> None:
         """DeepSpeed's dump: every attribute padded with dots, then the raw config as JSON."""

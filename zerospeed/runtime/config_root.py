@@ -13,6 +13,7 @@ import torch
 from pydantic import AliasChoices, BeforeValidator, Field, field_validator, model_validator
 
 from zerospeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+from zerospeed.runtime.compile_config import CompileConfig
 from zerospeed.runtime.config_optimizer import OptimizerConfig, SchedulerConfig
 from zerospeed.runtime.config_sections import (
     ActivationCheckpointingConfig,
@@ -73,6 +74,7 @@ class DeepSpeedRootConfig(DeepSpeedConfigModel):
     timers: TimersConfig = _section(TimersConfig)
     pipeline: PipelineConfig = _section(PipelineConfig)
     tensor_parallel: TPTrainingConfig = _section(TPTrainingConfig)
+    compile: CompileConfig = _section(CompileConfig)
 
     gradient_clipping: float = Field(1.0, ge=0.0)
     """Global L2 clip; 0 disables it (default 1.0 since DeepSpeed 0.19.3)."""

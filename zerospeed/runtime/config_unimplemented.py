@@ -72,10 +72,6 @@ def _enabled(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled") is True
 
 
-def _deepcompile(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("deepcompile") is True
-
-
 def _any_quantization(value: Any) -> bool:
     return isinstance(value, dict) and any(value.get(key) for key in ("quantized_initialization", "post_init_quant"))
 
@@ -85,10 +81,6 @@ def _never(value: Any) -> bool:
 
 
 NOT_IMPLEMENTED: dict[str, Unimplemented] = {
-    "compile": Unimplemented(
-        "DeepCompile (compile.deepcompile)", _deepcompile,
-        "set compile.deepcompile to false; engine.compile() then compiles the module with torch.compile",
-        "without deepcompile the section only configures DeepCompile; engine.compile() uses torch.compile"),
     "torch_autocast": Unimplemented(
         "torch.autocast mixed precision", _enabled,
         "remove it (or set enabled to false) and use the 'bf16' or 'fp16' section",

@@ -66,14 +66,18 @@ class EngineClientAPI:
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
-        """Compile the wrapped module in place with `torch.compile` (DeepSpeed's signature)."""
+        """Compile with `torch.compile` (DeepSpeed's signature): the whole module, or at stage 3
+        each transformer block with the ZeRO hooks outside (runtime/compiled_regions.py)."""
         if schedule is not None:
             raise NotImplementedError("engine.compile(schedule=...) is DeepCompile, which zerospeed does not implement")
         if self._is_compiled:
             return
         kwargs = dict(compile_kwargs or {})
         kwargs.pop("backend", None)  # DeepSpeed: the backend argument wins over compile_kwargs
-        self.module.compile(backend=backend, **kwargs)
+        from zerospeed.runtime.compiled_regions import compile_model
+
+        offload = getattr(self.optimizer, "parameter_offload", None)
+        self._compiled_modules = compile_model(self.module, backend, kwargs, offload)
         self._is_compiled = True
 
     @property

@@ -18,6 +18,16 @@ while some module's forward is running gathers it and registers it as an externa
 the running module, so it is fetched with that module from then on (a tied LM head reading the
 embedding). Outside any forward the read returns the partitioned parameter (`shape == [0]`); a
 gradient that arrives for it with the wrong shape raises an error naming the module and parameter.
+
+[Note: compiled blocks]
+`engine.compile()` at stage 3 compiles each transformer block's `forward` on its own and makes the
+block a fetch unit (`set_fetch_units`): like a z3 leaf, the block's hooks fetch and release its
+whole subtree, and its descendants get no hooks and plain `_parameters` dicts. The hooks then run
+in the block's `__call__`, eagerly, around the compiled `forward`: no gather, release or autograd
+hook is traced, so dynamo sees a block without a graph break, and every collective stays on the
+eager side, in the same order on every rank whatever the graphs each rank compiled (no hang when
+ranks see different sequence lengths). Unlike a z3 leaf, a unit's gradients are reduced as they
+arrive (not deferred): the backward hook releases the block after its compiled backward returned.
 """
 
 from __future__ import annotations
@@ -125,6 +135,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
         self._params_cache: dict[int, tuple[tuple[Any, ...], tuple[ZeroParameter, ...]]] = {}
+        self._unit_ids: set[int] = set()   # [Note: compiled blocks]
         # DeepSpeed's leaf_module config, and the MoE blocks zerospeed finds ([Note: ZeRO-3 leaf modules])
         apply_zero_leaf_module_config(module, zero_config.leaf_module)
         self._register_deepspeed_module(module)  # also gives modules ds_external_parameters()
@@ -163,6 +174,25 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         # Persisted at Init but not under this config: drop the full data.
         release_params([p for p in self.params if not p.zs_state.persist])
 
+    def set_fetch_units(self, units: list[torch.nn.Module]) -> None:
+        """Make each of `units` fetched and released as a whole, its descendants unhooked
+        ([Note: compiled blocks]); the hooks are reinstalled and the prefetch trace recorded anew."""
+        self._unit_ids |= {id(unit) for unit in units}
+        for unit in units:
+            for sub in unit.modules():
+                if isinstance(sub._parameters, _ZeroParamDict):
+                    sub._parameters = dict(sub._parameters)
+        self.remove_hooks()
+        self._module_ids.clear()
+        self._module_names.clear()
+        self._params_cache.clear()
+        self._install_hooks(self.module)
+        self.coordinator._invalidate_trace()   # the quiet one: the module ids changed, not the order
+
+    def _is_unit(self, module: torch.nn.Module) -> bool:
+        """Fetched as a whole: a z3 leaf or a compiled block."""
+        return z3_leaf_module(module) or id(module) in self._unit_ids
+
     def _install_hooks(self, root: torch.nn.Module) -> None:
         counter = 0
         pending = [root]
@@ -173,13 +203,13 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
             self._module_names[counter] = f"{names.get(id(module)) or '(root)'} ({type(module).__name__})"
             counter += 1
             module.__dict__["ds_id"] = self._module_ids[id(module)]
-            if not isinstance(module._parameters, _ZeroParamDict):
+            if not isinstance(module._parameters, _ZeroParamDict) and id(module) not in self._unit_ids:
                 replaced = _ZeroParamDict(module._parameters)
                 replaced.offload = self
                 module._parameters = replaced
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward))
-            if not z3_leaf_module(module):
+            if not self._is_unit(module):
                 pending = list(module.children()) + pending
         self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
 
@@ -189,7 +219,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         through `module.parameters()` was the hooks' largest Python cost, so a module's answer is
         kept while its own and external parameters are the same objects."""
         external = external_parameters(module)
-        if z3_leaf_module(module):   # a subtree: not cached
+        if self._is_unit(module):   # a subtree: not cached
             return _unique_zero_params(list(module.parameters()) + external)
         key = (*module._parameters.values(), None, *external)
         cached = self._params_cache.get(id(module))
