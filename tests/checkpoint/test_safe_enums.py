@@ -136,24 +136,25 @@ def _call(ops: bytes, argument: str) -> Ops:
     return Ops(ops + _text(argument) + pickle.TUPLE1 + pickle.REDUCE)
 
 
+_OS = _global("posixpath", "os")   # the os module, reached as an attribute of posixpath
+_STAGE = _global(ZERO_CONFIG, "ZeroStageEnum")
+
 MALICIOUS = {   # each takes the path of a file that must not appear
-    # os reached as an attribute of posixpath, its method then called
-    "getattr(os, 'system')": lambda marker: _call(getattr_ops(_global("posixpath", "os"), _text("system")),
-                                                  f"touch {marker}"),
+    "getattr(os, 'system')": lambda marker: _call(getattr_ops(_OS, _text("system")), f"touch {marker}"),
     "getattr(os, 'system') via the builtins spelling": lambda marker: _call(
-        getattr_ops(_global("posixpath", "os"), _text("system"), "builtins"), f"touch {marker}"),
+        getattr_ops(_OS, _text("system"), "builtins"), f"touch {marker}"),
     # allowlisted classes that are not enums: torch's own and DeepSpeed's stand-in
-    "getattr(OrderedDict, 'fromkeys')": lambda _: _call(getattr_ops(_global("collections", "OrderedDict"), _text("fromkeys")),
-                                              "ab"),
-    "getattr(LossScaler, '__init__')": lambda _: getattr_ops(_global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-                                                   _text("__init__")),
-    # a builtin allowlisted by torch
+    "getattr(OrderedDict, 'fromkeys')": lambda _: _call(
+        getattr_ops(_global("collections", "OrderedDict"), _text("fromkeys")), "ab"),
+    "getattr(LossScaler, '__init__')": lambda _: getattr_ops(
+        _global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), _text("__init__")),
+    # a builtin allowlisted by torch, a plain string
     "getattr(set, '__subclasses__')": lambda _: getattr_ops(_global("builtins", "set"), _text("__subclasses__")),
     "getattr('text', 'format')": lambda _: getattr_ops(_text("text"), _text("format")),
     # an allowlisted enum, but not a member name
-    "getattr(ZeroStageEnum, '__class__')": lambda _: getattr_ops(_global(ZERO_CONFIG, "ZeroStageEnum"), _text("__class__")),
-    "getattr(ZeroStageEnum, '_missing_')": lambda _: getattr_ops(_global(ZERO_CONFIG, "ZeroStageEnum"), _text("_missing_")),
-    "getattr(ZeroStageEnum, 2)": lambda _: getattr_ops(_global(ZERO_CONFIG, "ZeroStageEnum"), pickle.BININT1 + bytes([2])),
+    "getattr(ZeroStageEnum, '__class__')": lambda _: getattr_ops(_STAGE, _text("__class__")),
+    "getattr(ZeroStageEnum, '_missing_')": lambda _: getattr_ops(_STAGE, _text("_missing_")),
+    "getattr(ZeroStageEnum, 2)": lambda _: getattr_ops(_STAGE, pickle.BININT1 + bytes([2])),
     # an enum outside the allowlist
     "getattr(ZeroParamStatus, 'AVAILABLE')": lambda _: getattr_ops(
         _global("zerospeed.runtime.zero.param_state", "ZeroParamStatus"), _text("AVAILABLE")),

@@ -36,7 +36,8 @@ from zerospeed.checkpoint.deepspeed_compat import DeepSpeedZeroStage
 
 __all__ = ["GETATTR_PATH", "enum_globals", "enum_member", "safe_enum_classes"]
 
-GETATTR_PATH = "builtins.getattr"   # what torch reads for both `__builtin__ getattr` (protocol 2) and `builtins getattr`
+# torch reads both `__builtin__ getattr` (pickle protocol 2, torch.save's) and `builtins getattr` as this
+GETATTR_PATH = "builtins.getattr"
 
 
 @functools.cache
