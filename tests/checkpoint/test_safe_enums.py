@@ -12,6 +12,8 @@ import os
 import pickle
 import shutil
 import struct
+import subprocess
+import sys
 import types
 import zipfile
 
@@ -211,6 +213,22 @@ def test_zero_to_fp32_reads_deepspeed_checkpoint_with_enums_by_name(stage, tmp_p
     checkpoint = _deepspeed_checkpoint_by_name(stage, tmp_path)
     expected = torch.load(os.path.join(checkpoint, "expected.pt"), weights_only=True)
     state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint)
+    assert state.keys() == expected.keys()
+    for name, want in expected.items():
+        assert torch.equal(state[name], want["fp32"]), name
+
+
+def test_standalone_zero_to_fp32_script_reads_enums_by_name_without_zerospeed(tmp_path):
+    """The copy written into checkpoints, run as a script with every zerospeed import failing."""
+    checkpoint = _deepspeed_checkpoint_by_name(2, tmp_path)
+    script = shutil.copy(zero_to_fp32.__file__, os.path.join(checkpoint, "zero_to_fp32.py"))
+    block_and_run = ("import runpy, sys; sys.modules['zerospeed'] = None; "   # `import zerospeed...` raises
+                     "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", block_and_run, script, checkpoint, str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    expected = torch.load(os.path.join(checkpoint, "expected.pt"), weights_only=True)
     assert state.keys() == expected.keys()
     for name, want in expected.items():
         assert torch.equal(state[name], want["fp32"]), name
