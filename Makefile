@@ -1,12 +1,13 @@
 # `make demo` and `make test` work on a fresh machine: they build .venv/ when missing.
 PYTHON ?= python3
 VENV := .venv
+TESTS ?= tests
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # torch is pinned to the CPU wheel that lies on disk: a looser pin downloads gigabytes.
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench lint clean gpu-check
+.PHONY: demo test test-distro bench lint clean gpu-check
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +24,17 @@ demo: $(VENV)/.base
 	$(VENV)/bin/zerospeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/configs/zero2.json
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests --durations=30
+	$(PY) -m pytest -q $(TESTS) --durations=30
+
+# The suites that read pickles written by other code (checkpoints, DeepSpeed side by side, the
+# integrations) once more under the distribution's own python3 (Debian 12: 3.11.2), in a second
+# venv holding the same packages: pickle's output depends on the interpreter's patch release
+# (3.11.2 writes enum members by name), and users run the distro's python as often as ours.
+DISTRO_PYTHON ?= /usr/bin/python3
+DISTRO_VENV ?= .venv-distro
+test-distro:
+	$(MAKE) --no-print-directory test PYTHON=$(DISTRO_PYTHON) VENV=$(DISTRO_VENV) \
+		TESTS="tests/checkpoint tests/compat tests/integrations"
 
 # The GPU check (tests/cuda, marker `cuda`): accelerator, streams/events, pinned memory, offload
 # copies, ZeRO 0-3 over NCCL on every visible GPU, bf16, and the step-time / MFU benchmark against
@@ -43,4 +54,4 @@ lint: $(VENV)/.test
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(DISTRO_VENV) build *.egg-info

@@ -6,7 +6,7 @@ dynamic), `ZeroStageEnum` and the stage 1/2 `fragment_address`; its loaders use 
 (`loss_scaler.scale_loss(...)`), so a plain dict in their place breaks DeepSpeed's resume.
 
 Reading: the weights-only unpickler is given inert stand-ins registered under exactly those four
-names (nothing else is allowed), and the result is turned into the plain types zerospeed's
+names (nothing else is allowed but the enum members of safe_enums.py), and the result is turned into the plain types zerospeed's
 loaders use: loss scaler -> dict, stage -> int, fragment -> {"numel", "start"}, tensors detached.
 
 Writing (`save_with_deepspeed_names`): the same stand-ins are pickled under DeepSpeed's module
@@ -67,8 +67,11 @@ _DEEPSPEED_NAME_OF = {cls: path for cls, path in DEEPSPEED_GLOBALS}
 
 
 def load_deepspeed_file(path: str, mmap: bool = False) -> Any:
-    """torch.load(weights_only=True) with only DeepSpeed's four checkpoint classes allowed."""
-    with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):  # type: ignore[arg-type]
+    """torch.load(weights_only=True) with only DeepSpeed's four checkpoint classes allowed, and
+    allowlisted enum members by value or by name (safe_enums.py)."""
+    from zerospeed.checkpoint.safe_enums import enum_globals   # it imports this module
+
+    with torch.serialization.safe_globals([*DEEPSPEED_GLOBALS, *enum_globals()]):  # type: ignore[arg-type]
         return to_plain_deepspeed(torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
 
 

@@ -49,11 +49,13 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 __all__ = ["OUTPUT_DTYPE_NAMES", "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
            "convert_zero_checkpoint_to_fp32_state_dict",
@@ -94,10 +96,38 @@ class _DeepSpeedStage(int):
     pass
 
 
+class _OffloadDevice(str):
+    pass
+
+
+# [Note: enum members by name] Some Pythons (Debian 12's 3.11.2) pickle an Enum member as
+# `getattr(EnumClass, "name")`. getattr itself stays refused; `_enum_member` answers in its place
+# and returns a member only for these classes and names (zerospeed/checkpoint/safe_enums.py has
+# the same rule; a test holds both to the same members).
+_ENUM_MEMBERS: dict[type, dict[str, object]] = {
+    _DeepSpeedStage: {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3},
+    _OffloadDevice: {"none": "none", "cpu": "cpu", "nvme": "nvme"},
+    OptState: {state.name: state.value for state in OptState},
+}
+
+
+def _enum_member(owner: object, name: object) -> object:
+    members = _ENUM_MEMBERS.get(owner) if isinstance(owner, type) else None
+    if members is None or type(name) is not str or name not in members:
+        what = f"class {owner.__qualname__}" if isinstance(owner, type) else f"a {type(owner).__qualname__} object"
+        raise pickle.UnpicklingError(f"refusing getattr({what}, {name!r:.60}): a weights-only load allows "
+                                     f"getattr only to read a member of an allowlisted enum")
+    return OptState[name] if owner is OptState else owner(members[name])
+
+
 _DEEPSPEED_GLOBALS = [(type(name, (_DeepSpeedObject,), {}), f"{module}.{name}") for module, name in (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"))] + [
-    (_DeepSpeedStage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
+    (_DeepSpeedStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_DeepSpeedStage, "zerospeed.runtime.zero.config.ZeroStageEnum"),
+    (_OffloadDevice, "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum"),
+    (_OffloadDevice, "zerospeed.runtime.zero.offload.config.OffloadDeviceEnum"),
+    (OptState, "torch.amp.grad_scaler.OptState"), (_enum_member, "builtins.getattr")]
 
 
 def _load(path: str) -> dict:
