@@ -12,8 +12,9 @@ fp32 masters and moments come back exactly, whatever the partitioning was.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -25,7 +26,7 @@ from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, 
                                              merge_param_shapes)
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
-from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout
+from zerospeed.checkpoint.contract import CheckpointLayout
 
 __all__ = ["SavedLayout", "discover", "export_full_state", "load_optimizer_state", "stage0_optimizer_entry",
            "stage0_wrapper_state"]
@@ -92,10 +93,17 @@ def stage0_wrapper_state(ctx: CheckpointContext, entry: dict[str, Any]) -> dict[
 
 # --- loading ----------------------------------------------------------------------------------------
 def load_optimizer_state(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any],
-                         load_optimizer_states: bool) -> None:
-    """This rank's optimizer state from `saved`: its own file where the layouts match
-    ([Note: checkpoint contract]), else resharded through the full representation."""
+                         load_optimizer_states: bool, layout_changed: bool = False,
+                         full_state: Callable[[dict[str, Any]], FullOptimizerState] | None = None) -> None:
+    """This rank's optimizer state from `saved`, by the one rule: the same layout, its own file
+    ([Note: checkpoint contract]); another one (or `layout_changed`: one the optimizer does not
+    see, AutoTP's tp size), one read into the full representation (`full_state`, by default
+    `export_full_state`), then `load_full_state`."""
     optimizer = ctx.optimizer
+    read_full = full_state or functools.partial(export_full_state, saved)
+    if load_optimizer_states and layout_changed:   # none of this rank's own entries apply
+        optimizer.load_full_state(read_full(model_state), ctx.param_names, load_optimizer_states=True)
+        return
     if saved.zero_stage == 0 and model_state.get(C.OPTIMIZER) is not None:
         model_state = {**model_state, C.OPTIMIZER: stage0_wrapper_state(ctx, model_state[C.OPTIMIZER])}
     if not load_optimizer_states:
@@ -104,7 +112,7 @@ def load_optimizer_state(ctx: CheckpointContext, saved: SavedLayout, model_state
     if saved.layout == optimizer.checkpoint_layout() and not _stage0_precision_changed(ctx, saved, model_state):
         optimizer.load_state_dict(_own_state(saved, model_state, ctx.dp_rank), load_optimizer_states=True)
         return
-    optimizer.load_full_state(export_full_state(saved, model_state), ctx.param_names, load_optimizer_states=True)
+    optimizer.load_full_state(read_full(model_state), ctx.param_names, load_optimizer_states=True)
 
 
 def _own_state(saved: SavedLayout, model_state: dict[str, Any], dp_rank: int) -> dict[str, Any]:
