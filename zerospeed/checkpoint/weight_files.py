@@ -15,9 +15,11 @@ by a branch in it:
 
 Save: `write` writes this rank's weight files and fills the model-states dict where this rank
 writes one. Load: `model_file` names the model-states file this rank reads, `saved_layout` what the
-directory holds, `load_module` puts the weights into the module, and `full_state` reads the
-optimizer state into the full layout when the layouts differ ([Note: full layout] in
-full_state.py); a feature that cannot reshard refuses there.
+directory holds, `load_module` puts the weights into the module, and `load_optimizer` applies the
+one rule to the optimizer state: the same layout, each rank reads its own file; another one
+(`layout_changed` says what the optimizer cannot see), one read into the full layout by
+`full_state` ([Note: full layout] in full_state.py), then `load_full_state`. A feature that cannot
+reshard refuses in `full_state`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from zerospeed.checkpoint.full_state import FullOptimizerState
 from zerospeed.checkpoint.layout import find_model_files, model_states_name
 from zerospeed.checkpoint.model_states import to_plain
 from zerospeed.checkpoint.reader import CheckpointReader
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover, export_full_state, stage0_optimizer_entry
+from zerospeed.checkpoint.zero_checkpoint import (SavedLayout, discover, export_full_state, own_state, restore_weights,
+                                                  stage0_optimizer_entry, stage0_precision_changed, stage0_wrapper_state)
 
 __all__ = ["WeightFiles", "load_module_state"]
 
@@ -84,9 +87,45 @@ class WeightFiles:
             module_state = moe_checkpoint.merge_expert_states(ctx, reader.tag_dir, module_state, reader.load)
         load_module_state(ctx.module, module_state, strict, custom_load_fn)
 
-    def layout_changed(self, ctx: CheckpointContext, model_state: dict[str, Any]) -> bool:
-        """A change this file set sees that the optimizer's own layout does not (AutoTP's tp size)."""
-        return False
+    def load_optimizer(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
+                       model_state: dict[str, Any], load_optimizer_states: bool) -> None:
+        """This rank's optimizer state by the one rule: the same layout, its own file and the
+        wrapper's `load_state_dict`; another layout, one read into the full representation
+        (`full_state`), then the wrapper's `load_full_state`. Without optimizer states, only what
+        the weights need (`restore_weights`)."""
+        optimizer = ctx.optimizer
+        if load_optimizer_states and self.layout_changed(ctx, saved, model_state):
+            full = self.full_state(ctx, reader, saved, model_state)
+            optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
+            return
+        if load_optimizer_states and self.load_own_optimizer_state(ctx, reader, saved):
+            return
+        if saved.zero_stage == 0 and model_state.get(C.OPTIMIZER) is not None:
+            model_state = {**model_state, C.OPTIMIZER: stage0_wrapper_state(ctx, model_state[C.OPTIMIZER])}
+        if not load_optimizer_states:
+            restore_weights(ctx, saved, model_state)
+            return
+        if saved.layout == optimizer.checkpoint_layout() and not stage0_precision_changed(ctx, saved, model_state):
+            optimizer.load_state_dict(own_state(saved, model_state, ctx.dp_rank), load_optimizer_states=True)
+            return
+        optimizer.load_full_state(self.full_state(ctx, reader, saved, model_state), ctx.param_names,
+                                  load_optimizer_states=True)
+
+    def layout_changed(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
+        """A layout change that the optimizer's own layout does not show: MoE's expert-parallel
+        sizes at stages 0-2 ([Note: MoE stage-1/2 reshard]; raises where they cannot reshard);
+        AutoTP's tp size (`ShardedWeightFiles`). Asked only when optimizer states are loaded."""
+        if not ctx.has_moe_layers or saved.zero_stage == 3:   # stage 3 reshards experts on its own
+            return False
+        return moe_checkpoint.check_optimizer_topology(ctx, saved.zero_stage, saved.tag_dir, model_state)
+
+    def load_own_optimizer_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout) -> bool:
+        """Own optimizer state kept outside the optim and model-states files: MoE's per-ep-rank files
+        of replicated (stage-0) state ([Note: MoE checkpoint layout]). True when it was loaded."""
+        if not (ctx.has_moe_layers and saved.zero_stage == 0 and moe_checkpoint.loads_moe_optimizer_files(ctx)):
+            return False
+        moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, reader.load)
+        return True
 
     def full_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
                    model_state: dict[str, Any]) -> FullOptimizerState:

@@ -1,9 +1,11 @@
 """`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (DeepSpeed's `DeepSpeedEngine.save_checkpoint` / `_load_checkpoint`).
 
-The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
-(layout.py), the model-states dict (model_states.py), the atomic write and the manifest
-(atomic.py, manifest.py, [Note: atomic save]) and the optimizer side with resharding
-(zero_checkpoint.py, full_state_import.py). They read the run through one `CheckpointContext`
+The mixin only sequences, one save and one load for every run; the pieces live in
+`zerospeed/checkpoint/`: the file names (layout.py), the model-states dict (model_states.py), the
+atomic write and the manifest (atomic.py, manifest.py, reader.py, [Note: atomic save]), where the
+weights go and the one optimizer load rule (weight_files.py, [Note: weight files]: the file set
+AutoTP and the pipeline replace with theirs) and the optimizer side with resharding
+(zero_checkpoint.py, full_state.py). They read the run through one `CheckpointContext`
 (checkpoint/context.py) built by `_checkpoint_context`, and ask the optimizer, never the stage,
 which files this rank writes and how its state loads ([Note: checkpoint contract] in
 checkpoint/contract.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
@@ -19,7 +21,6 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
@@ -27,7 +28,6 @@ from zerospeed.checkpoint.layout import LATEST, ZERO_TO_FP32, default_tag
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
 from zerospeed.checkpoint.reader import CheckpointReader
 from zerospeed.checkpoint.weight_files import WeightFiles
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, export_full_state, load_optimizer_state
 from zerospeed.checkpoint.contract import NoOptimizer
 from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
 from zerospeed.runtime.tensor_parallel.weight_files import ShardedWeightFiles
@@ -137,12 +137,12 @@ class EngineCheckpointing:
         weights.load_module(ctx, reader, saved, model_state, load_module_strict, custom_load_fn)
         loaded_optimizer = loaded_scheduler = False
         if load_module_only:
-            load_optimizer_state(ctx, saved, model_state, load_optimizer_states=False)
+            weights.load_optimizer(ctx, reader, saved, model_state, load_optimizer_states=False)
         else:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
             if self.optimizer is not None:
-                self._load_optimizer(ctx, weights, reader, saved, model_state, load_optimizer_states)
+                weights.load_optimizer(ctx, reader, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self._checkpoint_group())
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
@@ -151,26 +151,6 @@ class EngineCheckpointing:
         """Where this run's weights are in a checkpoint ([Note: weight files]): the model-states
         files, per tp rank under AutoTP."""
         return ShardedWeightFiles(self.bfloat16_enabled(), getattr(self, "mp_world_size", 1))
-
-    def _load_optimizer(self, ctx: CheckpointContext, weights: WeightFiles, reader: CheckpointReader,
-                        saved: SavedLayout, model_state: dict[str, Any], load_optimizer_states: bool) -> None:
-        # a stage-3 checkpoint loads through the full state at any stage ([Note: MoE stage crossing])
-        if ctx.has_moe_layers and load_optimizer_states and saved.zero_stage != 3:
-            if moe_checkpoint.check_optimizer_topology(ctx, saved.zero_stage, saved.tag_dir, model_state):
-                # another world or ep size at stages 1/2: through the full state ([Note: MoE stage-1/2 reshard])
-                full = export_full_state(saved, model_state)
-                ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
-                return
-            if moe_checkpoint.loads_moe_optimizer_files(ctx):
-                if saved.zero_stage == 0:
-                    moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, reader.load)
-                else:   # stage 1/2 at stage 0: no expp_rank_* files, the partitions through the full state
-                    full = export_full_state(saved, model_state)
-                    ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
-                return
-        load_optimizer_state(ctx, saved, model_state, load_optimizer_states,
-                             layout_changed=weights.layout_changed(ctx, model_state),
-                             full_state=lambda state: weights.full_state(ctx, reader, saved, state))
 
     def _load_scheduler(self, model_state: dict[str, Any], wanted: bool) -> bool:
         saved = model_state.get(C.LR_SCHEDULER)

@@ -95,6 +95,12 @@ class PipelineLayerFiles(WeightFiles):
             layer.load_state_dict(reader.load(path), strict=strict)
         self.module.tied_comms.synchronize_weights()
 
+    def layout_changed(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
+        return False   # a stage's layer files hold its MoE layers whole: nothing beside the optimizer's layout
+
+    def load_own_optimizer_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout) -> bool:
+        return False   # no per-ep-rank files in a pipeline checkpoint: the stage's own files hold its state
+
     def full_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
                    model_state: dict[str, Any]) -> FullOptimizerState:
         raise ValueError(f"pipeline checkpoint {reader.tag_dir} holds optimizer state of ZeRO stage {saved.zero_stage} "

@@ -39,11 +39,11 @@ class ShardedWeightFiles(WeightFiles):
         model_state[C.MODULE] = tp_module_state(ctx.module, tag_dir, model_state, self.tp_size, reader.load)
         return discover(tag_dir, bf16_first=self.bf16, mp_rank=ctx.mp_rank if saved_tp == self.tp_size else 0)
 
-    def layout_changed(self, ctx: CheckpointContext, model_state: dict[str, Any]) -> bool:
-        return saved_tp_size(model_state) != self.tp_size
+    def layout_changed(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
+        return saved_tp_size(model_state) != self.tp_size or super().layout_changed(ctx, saved, model_state)
 
     def full_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
                    model_state: dict[str, Any]) -> FullOptimizerState:
-        if not self.layout_changed(ctx, model_state):
+        if saved_tp_size(model_state) == self.tp_size:
             return super().full_state(ctx, reader, saved, model_state)
         return tp_resharded_optimizer_state(ctx.module, saved.tag_dir, model_state, self.bf16, reader.load)
