@@ -32,9 +32,13 @@ test: $(VENV)/.test
 # (3.11.2 writes enum members by name), and users run the distro's python as often as ours.
 DISTRO_PYTHON ?= /usr/bin/python3
 DISTRO_VENV ?= .venv-distro
+# Left out there: the side-by-side runs that read no file another interpreter pickled (generation,
+# inference, TRL's trainers, Muon, the config corpus); they run once, in `make test`.
+DISTRO_SKIP := $(addprefix --ignore=tests/,integrations/test_trl.py compat/test_inference_compat.py \
+	compat/test_reference_model_compat.py compat/test_muon_compat.py compat/test_config_corpus.py)
 test-distro:
 	$(MAKE) --no-print-directory test PYTHON=$(DISTRO_PYTHON) VENV=$(DISTRO_VENV) \
-		TESTS="tests/checkpoint tests/compat tests/integrations"
+		TESTS="tests/checkpoint tests/compat tests/integrations $(DISTRO_SKIP)"
 
 # The GPU check (tests/cuda, marker `cuda`): accelerator, streams/events, pinned memory, offload
 # copies, ZeRO 0-3 over NCCL on every visible GPU, bf16, and the step-time / MFU benchmark against

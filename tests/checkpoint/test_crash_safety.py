@@ -150,3 +150,12 @@ def test_pickled_file_is_refused_unless_opted_in(tmp_path):
 
 class Custom:
     """Stands for a pickled Python class (DeepSpeed's loss scaler, enums)."""
+
+
+def test_a_missing_model_file_is_named_from_the_manifest(good_checkpoint):
+    """The manifest is checked before any file is looked for: a deleted model-states file is
+    refused by its name, not reported as a directory without model files."""
+    save_dir, _ = good_checkpoint
+    (save_dir / "b" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(Exception, match="mp_rank_00_model_states.pt is missing"):
+        run_on_ranks(_load_engine, 1, str(save_dir))

@@ -10,8 +10,9 @@ import zipfile
 
 import torch
 
+from zerospeed.checkpoint.safe_enums import load_deepspeed_file
 from zerospeed.checkpoint.deepspeed_compat import (DEEPSPEED_GLOBALS, DeepSpeedDynamicLossScaler,
-                                                   DeepSpeedLossScaler, load_deepspeed_file,
+                                                   DeepSpeedLossScaler,
                                                    save_with_deepspeed_names)
 from zerospeed.checkpoint.deepspeed_format import stage0_for_deepspeed, stage0_from_deepspeed, zero_state_for_deepspeed
 

@@ -4,7 +4,7 @@ Some Pythons (Debian 12's 3.11.2) pickle an Enum member as `getattr(EnumClass, "
 value, so DeepSpeed's optim files differ by the interpreter that wrote them (issue 32). These tests
 write the by-name form opcode by opcode (GLOBAL builtins getattr, GLOBAL the class, the name,
 TUPLE2, REDUCE) into a real torch.save zip, so they exercise it whatever Python runs them, and
-load it through the package's loaders (manifest.load_file, deepspeed_compat.load_deepspeed_file)
+load it through the package's loaders (manifest.load_file, safe_enums.load_deepspeed_file)
 and the standalone zero_to_fp32.py.
 """
 
@@ -24,7 +24,8 @@ from torch.amp.grad_scaler import OptState
 from distributed import run_on_ranks
 from test_deepspeed_interop import FIXTURES, STEPS, _load_and_resave
 
-from zerospeed.checkpoint.deepspeed_compat import DEEPSPEED_GLOBALS, DeepSpeedZeroStage, load_deepspeed_file
+from zerospeed.checkpoint.deepspeed_compat import DEEPSPEED_GLOBALS, DeepSpeedZeroStage
+from zerospeed.checkpoint.safe_enums import load_deepspeed_file
 from zerospeed.checkpoint.layout import find_model_files
 from zerospeed.checkpoint.manifest import load_file
 from zerospeed.checkpoint.safe_enums import enum_globals, safe_enum_classes
@@ -102,7 +103,7 @@ def _load_package(path):
     return load_file(path)
 
 
-LOADERS = {"manifest.load_file": _load_package, "deepspeed_compat.load_deepspeed_file": load_deepspeed_file,
+LOADERS = {"manifest.load_file": _load_package, "safe_enums.load_deepspeed_file": load_deepspeed_file,
            "zero_to_fp32 (standalone)": zero_to_fp32._load}
 
 MEMBERS = [   # (module, class, member name, the value it loads as)
@@ -173,7 +174,7 @@ def test_any_other_getattr_is_refused(tmp_path, monkeypatch, loader, case):
     ops = MALICIOUS[case](marker)
     path = _save(tmp_path / "state.pt", {"weight": torch.zeros(2), "value": ops})
     expected = {"manifest.load_file": (ValueError, "needs arbitrary unpickling"),
-                "deepspeed_compat.load_deepspeed_file": (pickle.UnpicklingError, "Weights only load failed"),
+                "safe_enums.load_deepspeed_file": (pickle.UnpicklingError, "Weights only load failed"),
                 "zero_to_fp32 (standalone)": (ValueError, "needs unpickling")}[loader]
     with pytest.raises(expected[0], match=expected[1]) as refused:
         LOADERS[loader](path)

@@ -84,7 +84,9 @@ def test_resume_from_a_universal_folder_at_another_stage(saved, tmp_path, saved_
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "uc" / "latest_universal").read_text() == "universal"
     resave = str(tmp_path / "resaved")
-    steps, folder, resumed = run_on_ranks(_resume, 2, loaded_stage, str(tmp_path / "uc"), resave)[0]
+    result = run_on_ranks(_resume, 2, loaded_stage, str(tmp_path / "uc"), resave)[0]
+    assert not isinstance(result, str), result   # the load's error
+    steps, folder, resumed = result
     assert (steps, folder) == (STEPS_BEFORE, "universal")
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), rtol=1e-5, atol=1e-7)
     # fp32 masters, both Adam moments and the step after the load: exactly the saved ones

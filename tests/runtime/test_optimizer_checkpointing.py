@@ -1,4 +1,4 @@
-"""[Note: checkpoint contract] (runtime/optimizer_checkpointing.py): every optimizer wrapper answers
+"""[Note: checkpoint contract] (checkpoint/contract.py): every optimizer wrapper answers
 what the engine's save / load and `checkpoint/` ask, consistently, so neither asks the stage.
 
 One `run_on_ranks` call builds every wrapper on 2 ranks (stages 0-3, bf16 at stage 1, optimizer
@@ -20,7 +20,7 @@ from zerospeed.checkpoint.layout import find_model_files
 from zerospeed.checkpoint.manifest import load_file
 from zerospeed.checkpoint.zero_checkpoint import discover, export_full_state
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer
-from zerospeed.runtime.optimizer_checkpointing import CheckpointFiles, CheckpointLayout, NoOptimizer
+from zerospeed.checkpoint.contract import CheckpointFiles, CheckpointLayout, NoOptimizer
 
 GLOBAL_BATCH = 8
 CPU_OFFLOAD = {"device": "cpu", "pin_memory": False}

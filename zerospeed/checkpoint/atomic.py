@@ -33,10 +33,16 @@ from typing import Any
 
 from zerospeed import comm
 from zerospeed.checkpoint.deepspeed_compat import save_with_deepspeed_names
+from zerospeed.checkpoint.durable import fsync_dir, write_text_durably
 from zerospeed.checkpoint.layout import LATEST
-from zerospeed.checkpoint.manifest import file_entry, merge_manifest_parts, write_manifest_part
+from zerospeed.checkpoint.manifest import (
+    CheckpointIntegrityError,
+    file_entry,
+    merge_manifest_parts,
+    write_manifest_part,
+)
 
-__all__ = ["CheckpointTransaction", "crash_point", "read_latest", "resolve_tag_dir", "write_text_durably",
+__all__ = ["CheckpointTransaction", "crash_point", "read_latest", "resolve_tag_dir",
            "CRASH_ENV"]
 
 CRASH_ENV = "ZEROSPEED_CHECKPOINT_CRASH_AT"
@@ -53,25 +59,6 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_durably(path: str, text: str) -> None:
-    """Write `path` through a temporary file and os.replace, fsyncing file and directory."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def read_latest(load_dir: str, name: str = LATEST) -> str | None:
     """The tag `<load_dir>/latest` (or another pointer file: `latest_universal`) names, None when
     there is no such file.
@@ -79,8 +66,6 @@ def read_latest(load_dir: str, name: str = LATEST) -> str | None:
     A `latest` that is not a short line of text (binary junk, a truncated write by another tool)
     is a CheckpointIntegrityError naming the file, like every other damaged checkpoint file.
     """
-    from zerospeed.checkpoint.manifest import CheckpointIntegrityError
-
     path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         return None

@@ -42,6 +42,9 @@ PARAM_SLICE_MAPPINGS = "param_slice_mappings"
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
 LOSS_SCALER = "loss_scaler"
 
+# zerospeed's own key: how AutoTP cut each split parameter ([Note: AutoTP checkpoint layout])
+TP_SHARDS_KEY = "autotp_shards"
+
 # client_state = every top-level key of the model file except these
 # (`deepspeed/runtime/engine.py::DeepSpeedEngine._load_checkpoint`)
 CLIENT_STATE_EXCLUDED_KEYS = frozenset({

@@ -2,7 +2,7 @@
 
 The engine builds it in one place (`EngineCheckpointing._checkpoint_context`) at each save and
 load, so `checkpoint/` depends on this small record and on the optimizer's checkpoint contract
-([Note: checkpoint contract] in runtime/optimizer_checkpointing.py), never on the engine itself.
+([Note: checkpoint contract] in checkpoint/contract.py), never on the engine itself.
 Counters are the values at the moment it was built; a load writes them back on the engine.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.runtime.optimizer_checkpointing import OptimizerCheckpointing
+from zerospeed.checkpoint.contract import OptimizerCheckpointing
 
 __all__ = ["CheckpointContext"]
 
@@ -32,8 +32,9 @@ class CheckpointContext:
     mp_rank: int
     """The tensor-parallel rank under AutoTP (DeepSpeed's mp rank in file names), else 0."""
     mp_world_size: int
-    tensor_parallel: bool
-    """AutoTP is on: the model file records how each parameter was sharded."""
+    tp_shards: dict[str, list[int]] | None
+    """Under AutoTP, name -> [dim, fused parts] of every split parameter, which the model file
+    records ([Note: AutoTP checkpoint layout]); None without AutoTP."""
     ds_config: dict[str, Any]
     num_experts: list[int]
     """Experts per MoE layer; empty without MoE layers."""

@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 __all__ = ["DEEPSPEED_GLOBALS", "DeepSpeedLossScaler", "DeepSpeedDynamicLossScaler", "DeepSpeedZeroStage",
-           "DeepSpeedFragmentAddress", "load_deepspeed_file", "to_plain_deepspeed", "save_with_deepspeed_names"]
+           "DeepSpeedFragmentAddress", "to_plain_deepspeed", "save_with_deepspeed_names"]
 
 
 class DeepSpeedLossScaler:
@@ -64,15 +64,6 @@ DEEPSPEED_GLOBALS: list[tuple[type, str]] = [
     (DeepSpeedFragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]
 _DEEPSPEED_NAME_OF = {cls: path for cls, path in DEEPSPEED_GLOBALS}
-
-
-def load_deepspeed_file(path: str, mmap: bool = False) -> Any:
-    """torch.load(weights_only=True) with only DeepSpeed's four checkpoint classes allowed, and
-    allowlisted enum members by value or by name (safe_enums.py)."""
-    from zerospeed.checkpoint.safe_enums import enum_globals   # it imports this module
-
-    with torch.serialization.safe_globals([*DEEPSPEED_GLOBALS, *enum_globals()]):  # type: ignore[arg-type]
-        return to_plain_deepspeed(torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
 
 
 def to_plain_deepspeed(obj: Any) -> Any:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from zerospeed.checkpoint.deepspeed_compat import load_deepspeed_file
+from zerospeed.checkpoint.safe_enums import load_deepspeed_file
+from zerospeed.checkpoint.durable import write_text_durably
 from zerospeed.checkpoint.layout import MANIFEST
 
 __all__ = ["CheckpointIntegrityError", "file_entry", "load_file", "read_manifest", "verify_files",
@@ -45,14 +46,10 @@ def file_entry(path: str) -> dict[str, Any]:
 
 
 def write_manifest_part(tmp_dir: str, rank: int, entries: dict[str, dict[str, Any]]) -> None:
-    from zerospeed.checkpoint.atomic import write_text_durably
-
     write_text_durably(os.path.join(tmp_dir, f".manifest_part_rank{rank}.json"), json.dumps(entries))
 
 
 def merge_manifest_parts(tmp_dir: str, tag: str, world_size: int) -> dict[str, Any]:
-    from zerospeed.checkpoint.atomic import write_text_durably
-
     files: dict[str, Any] = {}
     parts = glob.glob(os.path.join(tmp_dir, _PART_GLOB))
     if len(parts) != world_size:

@@ -84,10 +84,8 @@ def build_model_states(ctx: CheckpointContext, client_state: dict[str, Any], exc
         C.DS_CONFIG: ctx.ds_config,
         C.DS_VERSION: DEEPSPEED_FORMAT_VERSION,   # the format we follow; zerospeed's version: manifest
     }
-    if ctx.tensor_parallel:   # [Note: AutoTP checkpoint layout]
-        from zerospeed.runtime.tensor_parallel.checkpoint import TP_SHARDS_KEY, shard_record
-
-        state[TP_SHARDS_KEY] = shard_record(ctx.module)
+    if ctx.tp_shards is not None:   # [Note: AutoTP checkpoint layout]
+        state[C.TP_SHARDS_KEY] = ctx.tp_shards
     state.update(client_state)
     return state
 

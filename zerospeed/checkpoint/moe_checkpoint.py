@@ -89,7 +89,7 @@ def saved_expert_files(tag_dir: str) -> list[str]:
     return sorted(f for f in os.listdir(tag_dir) if pattern.fullmatch(f))
 
 
-# --- what the engine's save / load call (engine_checkpointing.py) ----------------------------
+# --- what the one save / load sequence calls (weight_files.py) ------------------------------
 
 def strip_expert_states(ctx: CheckpointContext, model_states: dict[str, Any], module_key: str) -> None:
     """The model-states file keeps non-expert entries only, plus DeepSpeed's `num_experts` and our ep sizes."""

@@ -26,7 +26,7 @@ state) into stage 3, and checkpoints without our rank layout (DeepSpeed's) into 
 The same path reshards a stage-1/2 MoE checkpoint loaded at stages 1/2 on another data-parallel world
 size or expert-parallel size: `check_optimizer_topology` (moe_checkpoint.py) sees the layout differ,
 every rank reads every saved rank's optim file into the full state (`export_zero12`, experts renamed
-by the saving rank's ep rank from `zs_moe_expert_data_ranks`) and `import_zero12` cuts dense
+by the saving rank's ep rank from `zs_moe_expert_data_ranks`) and the ZeRO 1/2 wrapper's `load_full_state` cuts dense
 parameters over the new data-parallel group and each expert over its new expert-data-parallel group.
 An ep-size change at the same world size needs this too: the own-file load would hand each rank
 partitions of other experts. Refused still (a `ValueError`): several ep sizes in one model, checkpoints

@@ -32,9 +32,11 @@ import functools
 import pickle
 from typing import Any
 
-from zerospeed.checkpoint.deepspeed_compat import DeepSpeedZeroStage
+import torch
 
-__all__ = ["GETATTR_PATH", "enum_globals", "enum_member", "safe_enum_classes"]
+from zerospeed.checkpoint.deepspeed_compat import DEEPSPEED_GLOBALS, DeepSpeedZeroStage, to_plain_deepspeed
+
+__all__ = ["GETATTR_PATH", "enum_globals", "enum_member", "load_deepspeed_file", "safe_enum_classes"]
 
 # torch reads both `__builtin__ getattr` (pickle protocol 2, torch.save's) and `builtins getattr` as this
 GETATTR_PATH = "builtins.getattr"
@@ -90,3 +92,10 @@ def enum_member(owner: object, name: object) -> Any:
 def enum_globals() -> list[tuple[Any, str]]:
     """The entries to add to torch's `safe_globals` next to DEEPSPEED_GLOBALS."""
     return [*_allowlist()[1], (enum_member, GETATTR_PATH)]
+
+
+def load_deepspeed_file(path: str, mmap: bool = False) -> Any:
+    """torch.load(weights_only=True) with only DeepSpeed's four checkpoint classes allowed
+    (deepspeed_compat.py), and allowlisted enum members by value or by name (above)."""
+    with torch.serialization.safe_globals([*DEEPSPEED_GLOBALS, *enum_globals()]):  # type: ignore[arg-type]
+        return to_plain_deepspeed(torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))

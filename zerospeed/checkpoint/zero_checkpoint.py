@@ -1,11 +1,12 @@
-"""Save and load of the optimizer side of a checkpoint, with re-partitioning on load.
+"""The optimizer side of a checkpoint: what a tag directory holds, and the pieces of the one load rule.
 
-The saved layout (stage and dp size, read from the files) equal to this run's optimizer's
-`checkpoint_layout()`: each rank reads only its own optim file (or, for replicated state, the
-model file's `optimizer` entry) and hands it to the wrapper's `load_state_dict`, as DeepSpeed
-does. Otherwise (another dp size, another stage, stage 0 saved in another precision) every
-rank reads the saved state into the full layout ([Note: full layout] in full_state.py) and the
-wrapper's `load_full_state` cuts from it the state dict it expects (full_state_import.py): the
+The rule itself is `WeightFiles.load_optimizer` (weight_files.py): the saved layout (stage and dp
+size, read from the files by `discover`) equal to this run's optimizer's `checkpoint_layout()`,
+each rank reads only its own optim file (or, for replicated state, the model file's `optimizer`
+entry: `own_state`) and hands it to the wrapper's `load_state_dict`, as DeepSpeed does. Otherwise
+(another dp size, another stage, stage 0 saved in another precision: `stage0_precision_changed`)
+every rank reads the saved state into the full layout (`export_full_state`, [Note: full layout]
+in full_state.py) and the wrapper's `load_full_state` cuts from it the state dict it expects: the
 fp32 masters and moments come back exactly, whatever the partitioning was.
 """
 
@@ -25,10 +26,10 @@ from zerospeed.checkpoint.full_state import (FullOptimizerState, export_stage0, 
                                              merge_param_shapes)
 from zerospeed.checkpoint.layout import find_model_files, find_optim_files
 from zerospeed.checkpoint.manifest import load_file, verify_files
-from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout
+from zerospeed.checkpoint.contract import CheckpointLayout
 
-__all__ = ["SavedLayout", "discover", "export_full_state", "load_optimizer_state", "stage0_optimizer_entry",
-           "stage0_wrapper_state"]
+__all__ = ["SavedLayout", "discover", "export_full_state", "own_state", "restore_weights", "stage0_optimizer_entry",
+           "stage0_precision_changed", "stage0_wrapper_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,23 +92,7 @@ def stage0_wrapper_state(ctx: CheckpointContext, entry: dict[str, Any]) -> dict[
 
 
 # --- loading ----------------------------------------------------------------------------------------
-def load_optimizer_state(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any],
-                         load_optimizer_states: bool) -> None:
-    """This rank's optimizer state from `saved`: its own file where the layouts match
-    ([Note: checkpoint contract]), else resharded through the full representation."""
-    optimizer = ctx.optimizer
-    if saved.zero_stage == 0 and model_state.get(C.OPTIMIZER) is not None:
-        model_state = {**model_state, C.OPTIMIZER: stage0_wrapper_state(ctx, model_state[C.OPTIMIZER])}
-    if not load_optimizer_states:
-        _restore_weights(ctx, saved, model_state)
-        return
-    if saved.layout == optimizer.checkpoint_layout() and not _stage0_precision_changed(ctx, saved, model_state):
-        optimizer.load_state_dict(_own_state(saved, model_state, ctx.dp_rank), load_optimizer_states=True)
-        return
-    optimizer.load_full_state(export_full_state(saved, model_state), ctx.param_names, load_optimizer_states=True)
-
-
-def _own_state(saved: SavedLayout, model_state: dict[str, Any], dp_rank: int) -> dict[str, Any]:
+def own_state(saved: SavedLayout, model_state: dict[str, Any], dp_rank: int) -> dict[str, Any]:
     """This rank's state in a directory of its own layout: its optim file, or the model file's entry."""
     if saved.zero_stage == 0:
         return model_state[C.OPTIMIZER]
@@ -115,7 +100,7 @@ def _own_state(saved: SavedLayout, model_state: dict[str, Any], dp_rank: int) ->
     return load_file(saved.optim_files[dp_rank])[C.OPTIMIZER_STATE_DICT]
 
 
-def _stage0_precision_changed(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
+def stage0_precision_changed(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
     """A replicated entry saved with fp32 masters and loaded without (or back): through the full
     representation, which takes the masters from the saved fp32 module weights."""
     replicated = ctx.optimizer.replicated_state(ctx.param_names)
@@ -142,7 +127,7 @@ def _each_optim_state(saved: SavedLayout) -> Iterator[dict[str, Any]]:
         yield load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
 
 
-def _restore_weights(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> None:
+def restore_weights(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> None:
     """No optimizer state wanted: the weights come from the module file, except when either side
     keeps them in the optim files (ZeRO-3: its module file holds empty tensors): then from the fp32
     masters of the optim files (DeepSpeed rebuilds them with zero_to_fp32). Moments and loss scale

@@ -18,7 +18,7 @@ The engine and `checkpoint/` never ask which stage they run: what differs betwee
 method here that each wrapper answers (`trainable_param_groups`, `param_shapes`,
 `saves_16bit_model`, `module_state_dict_16bit`, `consolidated_16bit_state_dict`,
 `supports_no_sync`, `refresh_fp32_params`, `destroy`, the state dicts) or one of the checkpoint
-half of the contract ([Note: checkpoint contract] in optimizer_checkpointing.py: the files a rank
+half of the contract ([Note: checkpoint contract] in checkpoint/contract.py: the files a rank
 writes, their layout, where the weights live, the resharded load). The factory
 (optimizer_factory.py) is the one place that branches on the stage.
 tests/runtime/test_optimizer_contract.py runs every wrapper through this contract.
@@ -52,7 +52,7 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import any_non_finite, global_norm, unscale_and_clip_factor
-from zerospeed.runtime.optimizer_checkpointing import OptimizerCheckpointing
+from zerospeed.checkpoint.contract import OptimizerCheckpointing
 from zerospeed.runtime.precision import PrecisionSettings
 
 __all__ = ["NOT_PARTITIONED", "DeepSpeedOptimizer", "StepGradients", "optimizer_state_tensors", "tensor_bytes"]

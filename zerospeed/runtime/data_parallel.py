@@ -21,7 +21,10 @@ from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients,
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
 from zerospeed.runtime.grad_utils import any_non_finite, scale_
-from zerospeed.runtime.optimizer_checkpointing import CheckpointLayout, ReplicatedState
+from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint import moe_reshard
+from zerospeed.checkpoint.contract import CheckpointLayout, ReplicatedState
+from zerospeed.checkpoint.full_state_import import cloned, copy_into_params, require, with_hyperparams, with_loss_scaler
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
 from zerospeed.runtime.zero.state_offload import StateTensors
@@ -220,9 +223,32 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
 
     def load_full_state(self, full: FullOptimizerState, param_names: dict[torch.nn.Parameter, str],
                         load_optimizer_states: bool) -> None:
-        from zerospeed.checkpoint.full_state_import import import_stage0
-
-        import_stage0(self, full, param_names, load_optimizer_states)
+        """One tensor per parameter ([Note: full layout]): each trainable parameter's master and
+        moments under its name, experts under their global id (moe_reshard.py)."""
+        current = with_loss_scaler(self.state_dict(), full)
+        torch_state = current[C.OPTIMIZER_STATE_DICT]
+        replicated = self.replicated_state(param_names)
+        full_names = moe_reshard.full_state_names(param_names)
+        state: dict[int, dict[str, Any]] = {}
+        masters: list[torch.Tensor] = []
+        for group, group_names, group_trainable in zip(torch_state["param_groups"], replicated.names,
+                                                       replicated.trainable):
+            for index, local_name, is_trainable in zip(group["params"], group_names, group_trainable):
+                if not is_trainable:
+                    continue
+                name = full_names.get(local_name, local_name)
+                masters.append(require(full.fp32, name).clone())
+                if name in full.moments:
+                    # one tensor per param: torch's Adam increments `step` in place
+                    state[index] = {**cloned(full.scalars.get(name, {})),
+                                    **{k: v.clone() for k, v in full.moments[name].items()}}
+        torch_state["state"] = state
+        torch_state["param_groups"] = with_hyperparams(torch_state["param_groups"], full)
+        if "fp32_groups" in current:
+            current["fp32_groups"] = masters
+        else:
+            copy_into_params(param_names, full_names, full)
+        self.load_state_dict(current, load_optimizer_states=load_optimizer_states)
 
     def refresh_fp32_params(self) -> None:
         """Re-derive the fp32 masters from the (just loaded) low-precision module weights."""

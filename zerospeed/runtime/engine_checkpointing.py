@@ -1,12 +1,14 @@
 """`save_checkpoint` / `load_checkpoint` for the engine, in DeepSpeed's layout (DeepSpeed's `DeepSpeedEngine.save_checkpoint` / `_load_checkpoint`).
 
-The mixin only sequences; the pieces live in `zerospeed/checkpoint/`: the file names
-(layout.py), the model-states dict (model_states.py), the atomic write and the manifest
-(atomic.py, manifest.py, [Note: atomic save]) and the optimizer side with resharding
-(zero_checkpoint.py, full_state_import.py). They read the run through one `CheckpointContext`
+The mixin only sequences, one save and one load for every run; the pieces live in
+`zerospeed/checkpoint/`: the file names (layout.py), the model-states dict (model_states.py), the
+atomic write and the manifest (atomic.py, manifest.py, reader.py, [Note: atomic save]), where the
+weights go and the one optimizer load rule (weight_files.py, [Note: weight files]: the file set
+AutoTP and the pipeline replace with theirs) and the optimizer side with resharding
+(zero_checkpoint.py, full_state.py). They read the run through one `CheckpointContext`
 (checkpoint/context.py) built by `_checkpoint_context`, and ask the optimizer, never the stage,
 which files this rank writes and how its state loads ([Note: checkpoint contract] in
-runtime/optimizer_checkpointing.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
+checkpoint/contract.py). Every file holds plain types and loads with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -19,21 +21,18 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint import moe_checkpoint
 from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
-from zerospeed.checkpoint.layout import LATEST, default_tag, find_model_files, model_states_name
-from zerospeed.checkpoint.manifest import load_file, verify_files
+from zerospeed.checkpoint.layout import LATEST, default_tag
 from zerospeed.checkpoint.model_states import build_model_states, to_plain
+from zerospeed.checkpoint.reader import CheckpointReader
 from zerospeed.checkpoint.scripts import checkpoint_scripts
 from zerospeed.checkpoint.universal.engine_load import load_universal_checkpoint
-from zerospeed.checkpoint.zero_checkpoint import (SavedLayout, discover, export_full_state, load_optimizer_state,
-                                                  stage0_optimizer_entry)
-from zerospeed.runtime.optimizer_checkpointing import NoOptimizer
+from zerospeed.checkpoint.weight_files import WeightFiles
+from zerospeed.checkpoint.contract import NoOptimizer
 from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
-from zerospeed.runtime.tensor_parallel.optimizer_reshard import tp_resharded_optimizer_state
-from zerospeed.runtime.zero.param_state import is_zero_param
+from zerospeed.runtime.tensor_parallel.weight_files import ShardedWeightFiles
 from zerospeed.utils.logging import logger
 
 __all__ = ["EngineCheckpointing"]
@@ -54,14 +53,12 @@ class EngineCheckpointing:
         ctx = self._checkpoint_context()
         files = ctx.optimizer.checkpoint_files(ctx.dp_rank, ctx.mp_rank)   # [Note: checkpoint contract]
         transaction = CheckpointTransaction(save_dir, tag, self._checkpoint_group()).begin()
+        model_states = None
         if files.model_states is not None:
             model_states = build_model_states(ctx, dict(client_state), exclude_frozen_parameters)
-            if ctx.has_moe_layers:
-                moe_checkpoint.strip_expert_states(ctx, model_states, C.MODULE)
+        self._weight_files().write(ctx, transaction, model_states, exclude_frozen_parameters)   # [Note: weight files]
+        if files.model_states is not None:
             transaction.write(files.model_states, to_plain(model_states))
-        if ctx.has_moe_layers:
-            optimizer_entry = moe_checkpoint.stage0_optimizer_file_entry(ctx, stage0_optimizer_entry(ctx))
-            moe_checkpoint.save_moe_files(ctx, transaction, to_plain(optimizer_entry))
         if files.optim_states is not None:
             transaction.write(files.optim_states, {
                 C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(ctx.optimizer.state_dict())),
@@ -77,9 +74,15 @@ class EngineCheckpointing:
             lr_scheduler=self.lr_scheduler, param_names=self.param_names,
             dp_rank=comm.get_rank(self.dp_group), dp_world_size=self.seq_dp_world_size,
             mp_rank=self._checkpoint_mp_rank(), mp_world_size=getattr(self, "mp_world_size", 1),
-            tensor_parallel=getattr(self, "tensor_parallel", None) is not None,
+            tp_shards=self._checkpoint_tp_shards(),
             ds_config=self._config._param_dict, num_experts=list(self.num_experts),
             global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
+
+    def _checkpoint_tp_shards(self) -> dict[str, list[int]] | None:
+        """How AutoTP split the module's parameters (the model file records it), else None."""
+        if getattr(self, "tensor_parallel", None) is None:
+            return None
+        return tp_checkpoint.shard_record(self.module)
 
     def _checkpoint_mp_rank(self) -> int:
         """The tp rank under AutoTP (DeepSpeed's mp rank in file names), else 0."""
@@ -140,86 +143,29 @@ class EngineCheckpointing:
         tag_dir = resolve_tag_dir(load_dir, str(tag))
         if not os.path.isdir(tag_dir):
             raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
-        model_path = self._model_file_for_this_rank(tag_dir)
-        if not verify_files(tag_dir, [os.path.basename(model_path)]):
-            logger.warning(f"checkpoint {tag_dir} has no manifest (not written by zerospeed): loading unverified")
-        model_state = load_file(model_path)
-        ctx = self._checkpoint_context()
-        saved = self._discover_for_tp(tag_dir, model_state)
-        if ctx.has_moe_layers:   # at stage 3 the weights live in the optim files
-            moe_checkpoint.check_stage_crossing(ctx, saved.zero_stage, tag_dir, model_state)
-        if ctx.has_moe_layers:  # [Note: MoE checkpoint layout]
-            model_state[C.MODULE] = moe_checkpoint.merge_expert_states(ctx, tag_dir, model_state[C.MODULE], load_file)
-        self._load_module(model_state, load_module_strict, custom_load_fn)
+        # [Note: weight files]: the one load sequence, the files in this order
+        reader = CheckpointReader(tag_dir)   # every listed file present: a missing one is named
+        ctx, weights = self._checkpoint_context(), self._weight_files()
+        model_path = weights.model_file(ctx, reader)
+        model_state = reader.load(model_path)
+        saved = weights.saved_layout(ctx, reader, model_state)
+        weights.load_module(ctx, reader, saved, model_state, load_module_strict, custom_load_fn)
         loaded_optimizer = loaded_scheduler = False
         if load_module_only:
-            load_optimizer_state(ctx, saved, model_state, load_optimizer_states=False)
+            weights.load_optimizer(ctx, reader, saved, model_state, load_optimizer_states=False)
         else:
             loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
             self._load_counters(model_state)
             if self._training_optimizer is not None:
-                self._load_optimizer(ctx, saved, model_state, load_optimizer_states)
+                weights.load_optimizer(ctx, reader, saved, model_state, load_optimizer_states)
                 loaded_optimizer = load_optimizer_states
         comm.barrier(self._checkpoint_group())
         return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
 
-    def _load_optimizer(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any],
-                        load_optimizer_states: bool) -> None:
-        # a stage-3 checkpoint loads through the full state at any stage ([Note: MoE stage crossing])
-        if ctx.has_moe_layers and load_optimizer_states and saved.zero_stage != 3:
-            if moe_checkpoint.check_optimizer_topology(ctx, saved.zero_stage, saved.tag_dir, model_state):
-                # another world or ep size at stages 1/2: through the full state ([Note: MoE stage-1/2 reshard])
-                full = export_full_state(saved, model_state)
-                ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
-                return
-            if moe_checkpoint.loads_moe_optimizer_files(ctx):
-                if saved.zero_stage == 0:
-                    moe_checkpoint.load_moe_optimizer(ctx, saved.tag_dir, load_file)
-                else:   # stage 1/2 at stage 0: no expp_rank_* files, the partitions through the full state
-                    full = export_full_state(saved, model_state)
-                    ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
-                return
-        if load_optimizer_states and tp_checkpoint.saved_tp_size(model_state) != ctx.mp_world_size:
-            # [Note: AutoTP optimizer resharding]
-            full = tp_resharded_optimizer_state(self, saved.tag_dir, model_state, load_file)
-            ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=True)
-            return
-        load_optimizer_state(ctx, saved, model_state, load_optimizer_states)
-
-    def _discover_for_tp(self, tag_dir: str, model_state: dict[str, Any]) -> SavedLayout:
-        """The saved layout for this tp rank; the module state resharded when the tp size changed
-        ([Note: AutoTP checkpoint layout])."""
-        saved_tp, current_tp = tp_checkpoint.saved_tp_size(model_state), getattr(self, "mp_world_size", 1)
-        tp_checkpoint.check_tp_reshard(tag_dir, saved_tp, current_tp, self._config.zero_optimization_stage)
-        model_state[C.MODULE] = tp_checkpoint.tp_module_state(self.module, tag_dir, model_state, current_tp, load_file)
-        mp_rank = self._checkpoint_mp_rank() if saved_tp == current_tp else 0
-        return discover(tag_dir, bf16_first=self.bfloat16_enabled(), mp_rank=mp_rank)
-
-    def _model_file_for_this_rank(self, tag_dir: str) -> str:
-        names = [os.path.basename(f) for f in find_model_files(tag_dir)]
-        if not names:
-            raise FileNotFoundError(f"no *_model_states.pt file in checkpoint directory {tag_dir}")
-        for plain in (model_states_name(0, mp_rank=self._checkpoint_mp_rank()), model_states_name(0)):
-            if plain in names:   # this tp rank's file; mp_rank_00 when the tp size changed
-                return os.path.join(tag_dir, plain)
-        mp_rank = self._checkpoint_mp_rank()
-        wanted = model_states_name(3, comm.get_rank(self.dp_group), mp_rank)
-        if wanted not in names:   # saved on fewer dp ranks than now: dp rank 0's file
-            wanted = model_states_name(3, 0, mp_rank)
-        return os.path.join(tag_dir, wanted)
-
-    def _load_module(self, model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
-        module_state = model_state[C.MODULE]
-        if custom_load_fn is not None:
-            custom_load_fn(src=module_state, dst=self.module)
-            return
-        from_optimizer = _partitioned_names(self.module, module_state)
-        kept = {name: tensor for name, tensor in module_state.items() if name not in from_optimizer}
-        missing, unexpected = self.module.load_state_dict(kept, strict=False)
-        missing = [name for name in missing if name not in from_optimizer]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
-                               f"missing keys {missing}, unexpected keys {unexpected}")
+    def _weight_files(self) -> WeightFiles:
+        """Where this run's weights are in a checkpoint ([Note: weight files]): the model-states
+        files, per tp rank under AutoTP."""
+        return ShardedWeightFiles(self.bfloat16_enabled(), getattr(self, "mp_world_size", 1))
 
     def _load_scheduler(self, model_state: dict[str, Any], wanted: bool) -> bool:
         saved = model_state.get(C.LR_SCHEDULER)
@@ -234,20 +180,6 @@ class EngineCheckpointing:
         self.skipped_steps = int(model_state[C.SKIPPED_STEPS])
         self.loaded_checkpoint_dp_world_size = model_state.get(C.DP_WORLD_SIZE)
         self.loaded_checkpoint_mp_world_size = model_state.get(C.MP_WORLD_SIZE)
-
-
-def _partitioned_names(module: torch.nn.Module, saved: dict[str, Any]) -> set[str]:
-    """Entries whose weights come from the optim files, not the module file: this run's partitioned
-    ZeRO-3 params (their data is a (0,) placeholder), and the (0,) placeholders of a stage-3 file
-    loaded at another stage."""
-    own = module.state_dict(keep_vars=True)
-    names = set()
-    for name, tensor in saved.items():
-        mine = own.get(name)
-        if mine is not None and ((mine.numel() == 0 and is_zero_param(mine))
-                                 or (tensor.numel() == 0 and mine.numel() != 0)):
-            names.add(name)
-    return names
 
 
 def _client_state(model_state: dict[str, Any], loaded_optimizer: bool, loaded_scheduler: bool) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Building the optimizer: the basic (torch) optimizer from the `optimizer` block or the client,
 then the one wrapper the ZeRO stage and precision call for. This is the one place that branches
 on the stage: the engine and `checkpoint/` ask the wrapper instead ([Note: stage dispatch] in
-base_optimizer.py, [Note: checkpoint contract] in optimizer_checkpointing.py), and
+base_optimizer.py, [Note: checkpoint contract] in checkpoint/contract.py), and
 tests/runtime/test_optimizer_contract.py and test_optimizer_checkpointing.py check every wrapper
 answers.
 """

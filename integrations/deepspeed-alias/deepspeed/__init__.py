@@ -22,10 +22,6 @@ ALIAS, TARGET = "deepspeed", "zerospeed"
 # DeepSpeed modules whose feature zerospeed does not have yet: importing them names the feature
 # instead of a bare "No module named ..." (clients import them only once they switched it on).
 MISSING_FEATURES = {
-    "deepspeed.runtime.sequence_parallel": "sequence parallelism (Ulysses / ALST)",
-    "deepspeed.sequence": "sequence parallelism (Ulysses / ALST)",
-    "deepspeed.utils.groups": "sequence / expert parallel process groups",
-    "deepspeed.runtime.tensor_parallel": "tensor parallelism (AutoTP)",
     "deepspeed.module_inject": "kernel injection and AutoTP",
     "deepspeed.inference.v2": "DeepSpeed FastGen (inference v2)",
     "deepspeed.compile": "DeepCompile",

@@ -108,3 +108,20 @@ def test_weights_load_under_another_stage_count(tmp_path):
     assert set(one_a) == set(merged)
     for name, value in one_a.items():
         assert torch.equal(value, merged[name]), name
+
+
+def _load_only(num_stages, save_dir):
+    engine, _ = _engine(num_stages, 0)
+    engine.load_checkpoint(save_dir)
+
+
+def test_a_corrupt_layer_file_is_named(tmp_path):
+    """A pipeline load checks the manifest like every other load: a flipped byte in a layer file
+    is refused by the file's name before any weight is used."""
+    run_on_ranks(_save_then_continue, 2, 2, 0, str(tmp_path))
+    layer_file = tmp_path / "global_step2" / "layer_01-model_states.pt"
+    data = bytearray(layer_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    layer_file.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="layer_01-model_states.pt is corrupt"):
+        run_on_ranks(_load_only, 2, 2, str(tmp_path))

@@ -20,7 +20,7 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import read_latest, resolve_tag_dir
-from zerospeed.checkpoint.manifest import load_file, verify_files
+from zerospeed.checkpoint.reader import CheckpointReader
 from zerospeed.checkpoint.moe_reshard import full_state_names
 from zerospeed.checkpoint.universal.layout import LATEST_UNIVERSAL
 from zerospeed.checkpoint.universal.read import read_universal_state
@@ -38,16 +38,19 @@ def read_latest_universal(load_dir: str) -> str:
 def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True,
                               load_lr_scheduler_states: bool = True,
                               load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    if engine.parallel_layout.pipe > 1:   # docs/checkpointing.md, universal checkpoints
+        raise NotImplementedError("checkpoint.load_universal: universal checkpoints do not load into a "
+                                  "pipeline engine yet")
     folder = resolve_tag_dir(load_dir, read_latest_universal(load_dir) if tag is None else str(tag))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"universal checkpoint directory {folder} does not exist")
     ctx = engine._checkpoint_context()
-    if ctx.has_moe_layers or ctx.tensor_parallel:
+    if ctx.has_moe_layers or ctx.tp_shards is not None:
         what = "MoE" if ctx.has_moe_layers else "AutoTP"
         raise NotImplementedError(f"loading a universal checkpoint into an {what} model is not implemented yet")
-    model_path = engine._model_file_for_this_rank(folder)
-    verify_files(folder, [os.path.basename(model_path)])
-    model_state = load_file(model_path)
+    reader = CheckpointReader(folder)   # its manifest: every file present, each read checksummed
+    model_path = engine._weight_files().model_file(ctx, reader)
+    model_state = reader.load(model_path)
     with_optimizer = load_optimizer_states and not load_module_only
     names = full_state_names(ctx.param_names)
     shapes = {names[name]: torch.Size(getattr(param, "ds_shape", param.shape))

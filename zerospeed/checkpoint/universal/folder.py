@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from zerospeed.checkpoint.atomic import crash_point, fsync_dir, write_text_durably
+from zerospeed.checkpoint.atomic import crash_point
+from zerospeed.checkpoint.durable import fsync_dir, write_text_durably
 from zerospeed.checkpoint.deepspeed_compat import save_with_deepspeed_names
 from zerospeed.checkpoint.manifest import file_entry, merge_manifest_parts, write_manifest_part
 from zerospeed.checkpoint.universal.layout import LATEST_UNIVERSAL

@@ -1,17 +1,20 @@
-"""Pipeline checkpoints in DeepSpeed's layout (DeepSpeed's `deepspeed/runtime/pipe/module.py::PipelineModule.save_state_dict` / `load_state_dir`), written and read by `PipelineEngine`.
+"""Pipeline checkpoints in DeepSpeed's layout (DeepSpeed's `deepspeed/runtime/pipe/module.py::PipelineModule.save_state_dict` / `load_state_dir`): the pipeline's file set in the one save / load sequence.
 
     <tag>/layer_XX[-model_YY]-model_states.pt         one per layer with weights: layer.state_dict()
     <tag>/mp_rank_SS_model_states.pt                   one per stage (x tensor rank): `module: None`,
                                                        counters, scheduler, stage-0 optimizer state
     <tag>/[bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   ZeRO >= 1: one per stage and dp rank
 
-Layer files are keyed by the *global* layer index, so they do not depend on how the layers were
-partitioned: a run with another partition or stage count reads them as they are. Each stage's
-data-parallel rank 0 writes its layers (DeepSpeed's default; `checkpoint.parallel_write.pipeline_stage`
-spreads them over the data-parallel ranks). The save is one atomic transaction over every rank
-([Note: atomic save] in checkpoint/atomic.py). The optimizer state is restored only when the
-stage layout and data-parallel size are those of the save (resharding pipeline optimizer state
-is not implemented); the weights load under any layout.
+`PipelineEngine` saves and loads through the engine's one sequence (runtime/engine_checkpointing.py,
+[Note: weight files] in checkpoint/weight_files.py, the manifest checked first like every load);
+what it contributes is `PipelineLayerFiles`, where the weights are, and its model-parallel rank
+(the stage's, which names its model-states and optim files). Layer files are keyed by the
+*global* layer index, so they do not depend on how the layers were partitioned: a run with another
+partition or stage count reads them as they are. Each stage's data-parallel rank 0 writes its
+layers (DeepSpeed's default; `checkpoint.parallel_write.pipeline_stage` spreads them over the
+data-parallel ranks). The optimizer state follows the one rule: the same layout (stage count, ZeRO
+stage, data-parallel size of partitioned state) loads each rank's own files; another one is
+refused (resharding pipeline optimizer state is not implemented); the weights load under any layout.
 """
 
 from __future__ import annotations
@@ -22,19 +25,16 @@ from typing import Any
 
 import torch
 
-from zerospeed import comm
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint.atomic import CheckpointTransaction, read_latest, resolve_tag_dir
-from zerospeed.checkpoint.deepspeed_format import DEEPSPEED_FORMAT_VERSION, zero_state_for_deepspeed
-from zerospeed.checkpoint.layout import default_tag, model_states_name, optim_states_name
-from zerospeed.checkpoint.manifest import load_file
-from zerospeed.checkpoint.model_states import build_model_states, to_plain
-from zerospeed.checkpoint.scripts import checkpoint_scripts
-from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
+from zerospeed.checkpoint.context import CheckpointContext
+from zerospeed.checkpoint.full_state import FullOptimizerState
+from zerospeed.checkpoint.layout import model_states_name
+from zerospeed.checkpoint.reader import CheckpointReader
+from zerospeed.checkpoint.weight_files import WeightFiles
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout
 from zerospeed.runtime.pipe.partition import partition_uniform
-from zerospeed.utils.logging import logger
 
-__all__ = ["PipelineCheckpointing"]
+__all__ = ["PipelineCheckpointing", "PipelineLayerFiles"]
 
 
 def _layer_state(layer: Any, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
@@ -48,83 +48,40 @@ def _layer_state(layer: Any, exclude_frozen: bool) -> dict[str, torch.Tensor] | 
     return state
 
 
-class PipelineCheckpointing:
-    """Mixin of PipelineEngine: save_checkpoint / load_checkpoint in DeepSpeed's pipeline layout."""
+class PipelineLayerFiles(WeightFiles):
+    """[Note: weight files] of a pipeline stage: one file per layer. `layers_to_write`: (local
+    index, layer) of the layers this rank writes; `parallel_dims`: the stage's model-parallel size
+    and DeepSpeed's `pp_degree` / `tp_degree`, which its model-states file records."""
 
-    def _mp_rank(self) -> int:
-        return self.grid.get_model_parallel_rank()
+    def __init__(self, bf16: bool, module: Any, layers_to_write: list[tuple[int, Any]], global_rank: int,
+                 mp_world_size: int, parallel_dims: dict[str, int]) -> None:
+        super().__init__(bf16)
+        self.module, self.layers_to_write, self.global_rank = module, layers_to_write, global_rank
+        self.mp_world_size, self.parallel_dims = mp_world_size, parallel_dims
 
-    def _layers_to_write(self) -> list[tuple[int, Any]]:
-        local = list(zip(range(len(self.module.forward_funcs)), self.module.forward_funcs))
-        dp_rank, dp_size = self.grid.get_data_parallel_rank(), self.grid.get_data_parallel_world_size()
-        if self._config.checkpoint_config.parallel_write.pipeline_stage:
-            bounds = partition_uniform(len(local), dp_size)
-            return local[bounds[dp_rank]:bounds[dp_rank + 1]]
-        return local if dp_rank == 0 else []
-
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] = {},  # noqa: B006
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        if not save_dir:
-            raise ValueError("save_checkpoint: save_dir must be a non-empty path")
-        tag = default_tag(self.global_steps) if tag is None else str(tag)
-        self._validate_tag(tag)
-        ctx = self._checkpoint_context()
-        optim_file = ctx.optimizer.checkpoint_files(ctx.dp_rank, self._mp_rank()).optim_states
-        transaction = CheckpointTransaction(save_dir, tag, None).begin()
-        for local_index, layer in self._layers_to_write():
-            state = _layer_state(layer, exclude_frozen_parameters)
+    def write(self, ctx: CheckpointContext, transaction: Any, model_states: dict[str, Any] | None,
+              exclude_frozen: bool) -> None:
+        for local_index, layer in self.layers_to_write:
+            state = _layer_state(layer, exclude_frozen)
             if state is not None:
-                path = self.module.ckpt_layer_path("", local_index)
-                transaction.write(os.path.basename(path), state)
-        if ctx.dp_rank == 0:
-            model_states = build_model_states(ctx, dict(client_state), exclude_frozen_parameters)
+                transaction.write(os.path.basename(self.module.ckpt_layer_path("", local_index)), state)
+        if model_states is not None:
             model_states[C.MODULE] = None  # the weights are in the layer files, as DeepSpeed
-            model_states[C.MP_WORLD_SIZE] = self.grid.get_model_parallel_world_size()
-            model_states[C.CHECKPOINT_PARALLEL_DIMENSIONS] = {
-                "pp_degree": self.num_stages, "tp_degree": self.grid.get_slice_parallel_world_size()}
-            transaction.write(model_states_name(0, mp_rank=self._mp_rank()), to_plain(model_states))
-        if optim_file is not None:   # partitioned optimizer state ([Note: checkpoint contract])
-            transaction.write(optim_file, {
-                C.OPTIMIZER_STATE_DICT: zero_state_for_deepspeed(to_plain(ctx.optimizer.state_dict())),
-                C.DS_CONFIG: self._config._param_dict, C.DS_VERSION: DEEPSPEED_FORMAT_VERSION})
-        transaction.commit(save_latest, extra_files=checkpoint_scripts())
-        return True
+            model_states[C.MP_WORLD_SIZE] = self.mp_world_size
+            model_states[C.CHECKPOINT_PARALLEL_DIMENSIONS] = dict(self.parallel_dims)
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+    def model_file(self, ctx: CheckpointContext, reader: CheckpointReader) -> str:
+        path = reader.path(model_states_name(0, mp_rank=ctx.mp_rank))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"pipeline checkpoint {reader.tag_dir} has no {os.path.basename(path)} for this "
+                                    f"stage (saved with another number of stages?)")
+        return path
+
+    def load_module(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
+                    model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn is not supported with pipeline parallelism (as DeepSpeed)")
-        if self.load_universal_checkpoint():   # docs/checkpointing.md, universal checkpoints: not yet
-            raise NotImplementedError("checkpoint.load_universal: universal checkpoints do not load into a "
-                                      "pipeline engine yet")
-        if tag is None:
-            tag = read_latest(load_dir) if os.path.isdir(load_dir) else None
-            if tag is None:
-                logger.warning(f"Unable to find latest file at {os.path.join(load_dir, 'latest')}; nothing was loaded")
-                return None, None
-        tag_dir = resolve_tag_dir(load_dir, str(tag))
-        if not os.path.isdir(tag_dir):
-            raise FileNotFoundError(f"checkpoint directory {tag_dir} does not exist")
-        self._load_layers(tag_dir, load_module_strict)
-        model_path = os.path.join(tag_dir, model_states_name(0, mp_rank=self._mp_rank()))
-        if not os.path.isfile(model_path):
-            raise FileNotFoundError(f"pipeline checkpoint {tag_dir} has no {os.path.basename(model_path)} for this "
-                                    f"stage (saved with another number of stages?)")
-        model_state = load_file(model_path)
-        loaded_optimizer = loaded_scheduler = False
-        if not load_module_only:
-            loaded_scheduler = self._load_scheduler(model_state, load_lr_scheduler_states)
-            self._load_counters(model_state)
-            if self.optimizer is not None and load_optimizer_states:
-                self._load_pipeline_optimizer(tag_dir, model_state)
-                loaded_optimizer = True
-        comm.barrier()
-        from zerospeed.runtime.engine_checkpointing import _client_state
-
-        return model_path, _client_state(model_state, loaded_optimizer, loaded_scheduler)
-
-    def _load_layers(self, tag_dir: str, strict: bool) -> None:
+        tag_dir = reader.tag_dir
         rank_repr = self.module.topology().get_rank_repr(rank=self.global_rank)
         for local_index, layer in enumerate(self.module.forward_funcs):
             if not isinstance(layer, torch.nn.Module):
@@ -135,28 +92,51 @@ class PipelineCheckpointing:
                 if len(found) != 1:
                     raise FileNotFoundError(f"no layer file {path} (found {found}); rank {rank_repr or 'plain'}")
                 path = found[0]
-            layer.load_state_dict(load_file(path), strict=strict)
+            layer.load_state_dict(reader.load(path), strict=strict)
         self.module.tied_comms.synchronize_weights()
 
-    def _load_pipeline_optimizer(self, tag_dir: str, model_state: dict[str, Any]) -> None:
-        ctx = self._checkpoint_context()
-        saved_dp = model_state.get(C.DP_WORLD_SIZE)
-        if saved_dp != self.dp_world_size:
-            raise ValueError(f"pipeline checkpoint {tag_dir} was saved with data-parallel size {saved_dp}, this run "
-                             f"has {self.dp_world_size}: pass load_optimizer_states=False to load the weights only")
-        if ctx.optimizer.checkpoint_files(ctx.dp_rank, self._mp_rank()).optim_states is None:   # replicated state
-            if model_state.get(C.OPTIMIZER) is None:
-                raise ValueError(f"pipeline checkpoint {tag_dir} holds no stage-0 optimizer state "
-                                 "(saved with ZeRO >= 1?): pass load_optimizer_states=False")
-            # DeepSpeed's or ours, in any of DeepSpeed's stage-0 shapes (checkpoint/deepspeed_format.py).
-            entry = stage0_wrapper_state(ctx, model_state[C.OPTIMIZER])
-            self.optimizer.load_state_dict(entry, load_optimizer_states=True)
-            return
-        candidates = [optim_states_name(ctx.dp_rank, bf16, self._mp_rank()) for bf16 in (self.bfloat16_enabled(),
-                                                                                      not self.bfloat16_enabled())]
-        for name in candidates:
-            if os.path.isfile(os.path.join(tag_dir, name)):
-                own = load_file(os.path.join(tag_dir, name))[C.OPTIMIZER_STATE_DICT]
-                self.optimizer.load_state_dict(own, load_optimizer_states=True)
-                return
-        raise FileNotFoundError(f"pipeline checkpoint {tag_dir} has none of {candidates}")
+    def layout_changed(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
+        return False   # a stage's layer files hold its MoE layers whole: nothing beside the optimizer's layout
+
+    def load_own_optimizer_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout) -> bool:
+        return False   # no per-ep-rank files in a pipeline checkpoint: the stage's own files hold its state
+
+    def full_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
+                   model_state: dict[str, Any]) -> FullOptimizerState:
+        raise ValueError(f"pipeline checkpoint {reader.tag_dir} holds optimizer state of ZeRO stage {saved.zero_stage} "
+                         f"over {model_state.get(C.DP_WORLD_SIZE)} data-parallel ranks, this run's is laid out as "
+                         f"{ctx.optimizer.checkpoint_layout()} on {ctx.dp_world_size}: resharding pipeline optimizer "
+                         "state is not implemented; pass load_optimizer_states=False to load the weights only")
+
+
+class PipelineCheckpointing:
+    """Mixin of PipelineEngine: what the pipeline contributes to the engine's checkpoint sequence."""
+
+    grid: Any
+    module: Any
+    global_rank: int
+    num_stages: int
+    _config: Any
+    bfloat16_enabled: Any
+
+    def _checkpoint_mp_rank(self) -> int:
+        """The stage's model-parallel rank: it names the stage's model-states and optim files."""
+        return int(self.grid.get_model_parallel_rank())
+
+    def _checkpoint_group(self) -> Any:
+        """Every stage writes into the one tag directory: the whole world commits it."""
+        return None
+
+    def _weight_files(self) -> PipelineLayerFiles:
+        return PipelineLayerFiles(
+            self.bfloat16_enabled(), self.module, self._layers_to_write(), self.global_rank,
+            mp_world_size=self.grid.get_model_parallel_world_size(),
+            parallel_dims={"pp_degree": self.num_stages, "tp_degree": self.grid.get_slice_parallel_world_size()})
+
+    def _layers_to_write(self) -> list[tuple[int, Any]]:
+        local = list(zip(range(len(self.module.forward_funcs)), self.module.forward_funcs))
+        dp_rank, dp_size = self.grid.get_data_parallel_rank(), self.grid.get_data_parallel_world_size()
+        if self._config.checkpoint_config.parallel_write.pipeline_stage:
+            bounds = partition_uniform(len(local), dp_size)
+            return local[bounds[dp_rank]:bounds[dp_rank + 1]]
+        return local if dp_rank == 0 else []

@@ -26,13 +26,11 @@ from typing import Any
 
 import torch
 
+from zerospeed.checkpoint.constants import TP_SHARDS_KEY
 from zerospeed.runtime.tensor_parallel.state_dict import shard_state_dict, split_params
 
 __all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
            "shard_record", "tp_module_state"]
-
-TP_SHARDS_KEY = "autotp_shards"
-
 
 def shard_record(module: torch.nn.Module) -> dict[str, list[int]]:
     """name -> [dim, fused parts] of every split parameter (plain types, for the model file)."""
@@ -67,13 +65,15 @@ def saved_shard_record(tag_dir: str, model_state: dict[str, Any]) -> dict[str, l
     return record or {}
 
 
-def check_tp_reshard(tag_dir: str, saved_tp: int, current_tp: int, current_stage: int) -> None:
-    """Refuse a tp-size change where ZeRO-3 is on either side ([Note: AutoTP checkpoint layout])."""
+def check_tp_reshard(tag_dir: str, saved_tp: int, current_tp: int, weights_partitioned: bool) -> None:
+    """Refuse a tp-size change where ZeRO-3 is on either side ([Note: AutoTP checkpoint layout]);
+    `weights_partitioned`: this run's optimizer holds the weights (ZeRO-3, the contract's
+    `weights_in_optimizer_files`)."""
     if saved_tp == current_tp:
         return
     saved_stage3 = bool(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")))
-    if saved_stage3 or current_stage >= 3:
-        side = "saved at ZeRO stage 3" if saved_stage3 else f"loaded into a ZeRO stage {current_stage} run"
+    if saved_stage3 or weights_partitioned:
+        side = "saved at ZeRO stage 3" if saved_stage3 else "loaded into a ZeRO stage 3 run"
         raise ValueError(f"checkpoint {tag_dir} was saved at tensor_parallel.autotp_size {saved_tp} and is "
                          f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported: "
                          "load it at its own tp size, or take the full weights with zero_to_fp32 "
@@ -94,3 +94,4 @@ def tp_module_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str
     record = saved_shard_record(tag_dir, model_state)
     full = merge_tp_module_states([load(path)["module"] for path in files], record)
     return shard_state_dict(module, full)
+

@@ -35,23 +35,24 @@ from zerospeed.runtime.tensor_parallel.state_dict import split_params
 __all__ = ["tp_resharded_optimizer_state"]
 
 
-def tp_resharded_optimizer_state(engine: Any, tag_dir: str, model_state: dict[str, Any],
+def tp_resharded_optimizer_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str, Any], bf16: bool,
                                  load: Callable[[str], dict[str, Any]]) -> FullOptimizerState:
-    """This rank's optimizer state, by parameter name, cut for the current tp size from a
-    checkpoint saved at another one ([Note: AutoTP optimizer resharding])."""
+    """This rank's optimizer state, by parameter name, cut for the tp split of `module` from a
+    checkpoint saved at another tp size ([Note: AutoTP optimizer resharding]); `bf16`: look for
+    this run's `bf16_` optim files first."""
     saved_tp = saved_tp_size(model_state)
     record = saved_shard_record(tag_dir, model_state)
-    per_rank = [_export_tp_rank(engine, tag_dir, mp_rank, load) for mp_rank in range(saved_tp)]
+    per_rank = [_export_tp_rank(tag_dir, mp_rank, bf16, load) for mp_rank in range(saved_tp)]
     full = _join(per_rank, record)
-    return _cut(full, engine.module)
+    return _cut(full, module)
 
 
-def _export_tp_rank(engine: Any, tag_dir: str, mp_rank: int, load: Callable[[str], dict[str, Any]]) -> FullOptimizerState:
+def _export_tp_rank(tag_dir: str, mp_rank: int, bf16: bool, load: Callable[[str], dict[str, Any]]) -> FullOptimizerState:
     path = os.path.join(tag_dir, model_states_name(0, mp_rank=mp_rank))
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {tag_dir}: {os.path.basename(path)} is missing (resharding the optimizer "
                                 "state to another tp size needs every tp rank's files, ZeRO stage 0-2)")
-    saved = discover(tag_dir, bf16_first=engine.bfloat16_enabled(), mp_rank=mp_rank)
+    saved = discover(tag_dir, bf16_first=bf16, mp_rank=mp_rank)
     if saved.zero_stage >= 3:
         raise ValueError(f"checkpoint {tag_dir} is ZeRO-3: AutoTP checkpoints are ZeRO stage 0-2")
     return export_full_state(saved, load(path))

@@ -16,15 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerospeed.checkpoint import constants as C
+from zerospeed.checkpoint import moe_reshard
+from zerospeed.checkpoint.full_state_import import cloned, require, with_hyperparams, with_loss_scaler
 from zerospeed.checkpoint.layout import model_states_name, optim_states_name
 
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.optimizer_checkpointing import (CheckpointFiles, CheckpointLayout, FrozenParamRecords,
+from zerospeed.checkpoint.contract import (CheckpointFiles, CheckpointLayout, FrozenParamRecords,
                                                        frozen_param_records)
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.config import ZeroStageEnum
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
-from zerospeed.runtime.zero.param_state import ZeroParameter
+from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.offload.partial_offload import load_device_state, merge_state_dicts, split_state_dict
 from zerospeed.version import __version__
@@ -44,6 +47,7 @@ class Stage3Checkpointing:
     overflow: bool
     clip_grad: float
     world_size: int
+    dp_rank: int
     zero_config: Any
     offload: OffloadStates | None
     parameter_offload: DeepSpeedZeRoOffload
@@ -153,9 +157,33 @@ class Stage3Checkpointing:
 
     def load_full_state(self, full: FullOptimizerState, param_names: dict[torch.nn.Parameter, str],
                         load_optimizer_states: bool) -> None:
-        from zerospeed.checkpoint.full_state_import import import_zero3
-
-        import_zero3(self, full, param_names, load_optimizer_states)  # type: ignore[arg-type]
+        """Cut this rank's chunk of every parameter ([Note: full layout]) into its sub-group flats;
+        padding stays zero. `load_state_dict` copies the masters into the partitions."""
+        current = with_loss_scaler(self.state_dict(), full)
+        base = current[C.OPTIMIZER_STATE_DICT]
+        indices = [index for group in base["param_groups"] for index in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for k, params in enumerate(self.fp16_groups):
+            flat = torch.zeros_like(current[C.FP32_FLAT_GROUPS][k])
+            moments: dict[str, torch.Tensor] = {}
+            scalars: dict[str, Any] = {}
+            offset = 0
+            for param in params:
+                name, world, rank = moe_reshard.import_coords(param, param_names[param], self.world_size, self.dp_rank)
+                start, real_numel = rank_span(param.zs_state.numel, world, rank)   # experts: [Note: MoE stage-3 reshard]
+                flat.narrow(0, offset, real_numel).copy_(require(full.fp32, name).reshape(-1).narrow(0, start, real_numel))
+                for key, value in full.moments.get(name, {}).items():
+                    moment = moments.setdefault(key, torch.zeros(flat.numel(), dtype=value.dtype))
+                    moment.narrow(0, offset, real_numel).copy_(value.reshape(-1).narrow(0, start, real_numel))
+                scalars = scalars or cloned(full.scalars.get(name, {}))
+                offset += param.partition_numel()
+            current[C.FP32_FLAT_GROUPS][k] = flat
+            if moments:
+                state[indices[k]] = {**scalars, **moments}
+        base["state"] = state
+        base["param_groups"] = with_hyperparams(base["param_groups"], full)
+        current[C.PARTITION_COUNT] = self.world_size
+        self.load_state_dict(current, load_optimizer_states=load_optimizer_states)
 
     # --- what a checkpoint's model-states file records (`DeepSpeedEngine._save_checkpoint`) -----------------------------
     def param_shapes(self, param_names: dict[torch.nn.Parameter, str] | None = None) -> list[dict[str, torch.Size]]:

@@ -42,31 +42,25 @@ norm reduce their per-rank scalar on the accelerator (`comm_device`), never the 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.checkpoint.layout import optim_states_name
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, optimizer_state_tensors, tensor_bytes
 from zerospeed.runtime.chunked_step import step_in_chunks
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_utils import scale_
-from zerospeed.runtime.optimizer_checkpointing import (
-    CheckpointFiles,
-    CheckpointLayout,
-    FrozenParamRecords,
-    frozen_param_records,
-)
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.muon.attach import attach_zero12
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
+from zerospeed.runtime.zero.stage_1_and_2_checkpoint import Zero12Checkpointing
 from zerospeed.runtime.zero.partition import (
     GroupLayout,
     Slab,
@@ -76,10 +70,6 @@ from zerospeed.runtime.zero.partition import (
     round_robin_order,
 )
 from zerospeed.runtime.zero.state_offload import StateTensors
-from zerospeed.version import __version__
-
-if TYPE_CHECKING:
-    from zerospeed.checkpoint.full_state import FullOptimizerState
 
 __all__ = ["DeepSpeedZeroOptimizer"]
 
@@ -146,7 +136,7 @@ def _separate(tensor: torch.Tensor, other: torch.Tensor) -> bool:
     return tensor.untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
 
 
-class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
                  param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
@@ -433,90 +423,5 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 
-    # --- checkpoints ([Note: checkpoint contract]): one optim file per dp rank ----------------
-    def checkpoint_files(self, dp_rank: int, mp_rank: int) -> CheckpointFiles:
-        bf16 = self.precision.param_dtype == torch.bfloat16
-        return CheckpointFiles(super().checkpoint_files(dp_rank, mp_rank).model_states,
-                               optim_states_name(dp_rank, bf16, mp_rank))
-
-    def checkpoint_layout(self) -> CheckpointLayout:
-        return CheckpointLayout(self.zero_stage, self.dp_world_size)
-
-    def frozen_param_records(self, module: torch.nn.Module) -> FrozenParamRecords:
-        return frozen_param_records(module)
-
-    def load_full_state(self, full: FullOptimizerState, param_names: dict[torch.nn.Parameter, str],
-                        load_optimizer_states: bool) -> None:
-        from zerospeed.checkpoint.full_state_import import import_zero12
-
-        import_zero12(self, full, param_names, load_optimizer_states)
-
     def destroy(self) -> None:
         self.remove_hooks()
-
-    # --- checkpoint state (DeepSpeed's `DeepSpeedZeroOptimizer.state_dict`, plain types) ------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "dynamic_loss_scale": self.loss_scaler.dynamic,
-            "overflow": self.overflow,
-            "clip_grad": self.clip_grad,
-            "base_optimizer_state": self.offload.optimizer_state_dict() if self.offload is not None
-            else self.optimizer.state_dict(),
-            "single_partition_of_fp32_groups": [
-                self._fp32_partition(i).narrow(0, 0, g.layout.partition_numel - g.padding).detach().clone()
-                for i, g in enumerate(self.groups)],
-            "zero_stage": self.zero_stage,
-            "group_paddings": [g.padding for g in self.groups],
-            "partition_count": [g.world_size for g in self.groups],
-            "ds_version": __version__,
-            "param_slice_mappings": [self._slice_mappings(g) for g in self.groups],
-            "param_alignment_paddings": [[0] * len(g.params) for g in self.groups],
-        }
-
-    def _fp32_partition(self, index: int) -> torch.Tensor:
-        if self.offload is not None:
-            return self.offload.master_partition(index)
-        return self.groups[index].master
-
-    def _slice_mappings(self, group: _FlatGroup) -> dict[str, dict[str, int]]:
-        return {group.names[f.param_index]: {"numel": f.numel, "start": f.partition_start}
-                for f in group.layout.fragments(group.dp_rank)}
-
-    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
-        self._check_loadable(state_dict)
-        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        self.overflow = bool(state_dict["overflow"])
-        self.clip_grad = float(state_dict.get("clip_grad", self.clip_grad))
-        if load_optimizer_states:
-            if self.offload is not None:
-                self.offload.load_optimizer_state_dict(state_dict["base_optimizer_state"])
-            else:
-                self.optimizer.load_state_dict(state_dict["base_optimizer_state"])
-        for index, (group, saved) in enumerate(zip(self.groups, state_dict["single_partition_of_fp32_groups"])):
-            if self.offload is not None:
-                full = group.lp_partition.detach().to("cpu", _MASTER_DTYPE)
-                if self.settings.load_from_fp32_weights:
-                    full = torch.zeros_like(full)
-                    full.narrow(0, 0, saved.numel()).copy_(saved)
-                self.offload.load_master_partition(index, full)
-            elif self.settings.load_from_fp32_weights:
-                group.master.narrow(0, 0, saved.numel()).copy_(saved)
-                group.master.narrow(0, saved.numel(), group.master.numel() - saved.numel()).zero_()
-            elif group.master.data_ptr() != group.lp_partition.data_ptr():
-                group.master.copy_(group.lp_partition)
-        self._publish_params()
-
-    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        if "ds_version" not in state_dict:
-            raise ValueError("ZeRO optimizer state has no 'ds_version': not a ZeRO 1/2 optimizer state dict")
-        saved_counts = list(state_dict["partition_count"])
-        if saved_counts != [g.world_size for g in self.groups]:
-            raise ValueError(f"ZeRO optimizer state was saved with partition_count {saved_counts}; this run "
-                             f"has {len(self.groups)} group(s) on {self.dp_world_size} data-parallel ranks. "
-                             "Re-partitioning is done by the checkpoint loader, not load_state_dict.")
-        for group, saved in zip(self.groups, state_dict["single_partition_of_fp32_groups"]):
-            expected = group.layout.partition_numel - group.padding
-            if saved.numel() != expected:
-                raise ValueError(f"ZeRO fp32 partition has {saved.numel()} elements, expected {expected}: "
-                                 "the checkpoint was saved for a different model or param groups")
