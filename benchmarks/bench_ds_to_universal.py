@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_zero_to_fp32 import _mlp  # noqa: E402 - the same benchmark model
+from bench_zero_to_fp32 import _mlp, run_with_peak_rss  # noqa: E402 - the same model and RSS poll
 
 
 def _save_rank(rank: int, num_params_m: int, stage: int, save_dir: str, init_file: str) -> None:
@@ -64,29 +62,14 @@ def write_checkpoint(num_params_m: int, stage: int, save_dir: str) -> None:
 
 
 def convert(module: str, tag_dir: str, output: str) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of one conversion in a fresh child process, RSS polled every 10 ms."""
-    import psutil
-
+    """(wall seconds, peak RSS MiB) of one conversion in a fresh child process."""
     shutil.rmtree(os.path.dirname(output), ignore_errors=True)
     command = [sys.executable, "-m", module, "--input_folder", tag_dir, "--output_folder", output,
                "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    started = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    watched = psutil.Process(child.pid)
-    peak_bytes = 0
-    while child.poll() is None:
-        try:
-            peak_bytes = max(peak_bytes, watched.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.01)
-    seconds = time.perf_counter() - started
-    if child.returncode != 0:
-        raise RuntimeError(f"{module} failed:\n{child.stderr.read().decode()[-2000:]}")
+    seconds, peak_mib = run_with_peak_rss(command, module)
     if not os.path.isfile(os.path.join(os.path.dirname(output), "latest_universal")):
         raise RuntimeError(f"{module} wrote no latest_universal beside {output}")
-    return seconds, peak_bytes / 2**20
+    return seconds, peak_mib
 
 
 def main() -> None:

@@ -66,11 +66,19 @@ def write_checkpoint(num_params_m: int, save_dir: str) -> float:
 
 
 def convert(module: str, checkpoint: str, output: str, shard: str) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of one conversion in a fresh child process, RSS polled every 10 ms."""
-    import psutil
-
+    """(wall seconds, peak RSS MiB) of one conversion in a fresh child process."""
     shutil.rmtree(output, ignore_errors=True)
     command = [sys.executable, "-m", module, checkpoint, output, "--max_shard_size", shard, "--safe_serialization"]
+    seconds, peak_mib = run_with_peak_rss(command, module)
+    if not os.listdir(output):
+        raise RuntimeError(f"{module} wrote nothing into {output}")
+    return seconds, peak_mib
+
+
+def run_with_peak_rss(command: list[str], name: str) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of `command` in a fresh child process, RSS polled every 10 ms."""
+    import psutil
+
     started = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
@@ -84,9 +92,7 @@ def convert(module: str, checkpoint: str, output: str, shard: str) -> tuple[floa
         time.sleep(0.01)
     seconds = time.perf_counter() - started
     if child.returncode != 0:
-        raise RuntimeError(f"{module} failed:\n{child.stderr.read().decode()[-2000:]}")
-    if not os.listdir(output):
-        raise RuntimeError(f"{module} wrote nothing into {output}")
+        raise RuntimeError(f"{name} failed:\n{child.stderr.read().decode()[-2000:]}")
     return seconds, peak_bytes / 2**20
 
 
