@@ -12,28 +12,10 @@ from __future__ import annotations
 
 import torch
 
-VOCAB, HIDDEN, FFN, MICRO, STEPS = 32, 24, 40, 2, 3
+from tests.runtime.zero.muon_models import VOCAB, TinyLM  # the model the ZeRO tests use
+
+MICRO, STEPS = 2, 3
 BLOCK = {"lr": 0.05, "adam_lr": 2e-3, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-10}
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.up = torch.nn.Linear(HIDDEN, FFN)
-        self.down = torch.nn.Linear(FFN, HIDDEN, bias=False)
-        self.odd = torch.nn.Linear(13, 7, bias=False)
-        self.norm = torch.nn.LayerNorm(HIDDEN)
-        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(tokens)
-        h = h + self.q_proj(h)
-        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
-        h = h + torch.nn.functional.pad(self.odd(h[..., :13]), (0, HIDDEN - 7))
-        logits = self.lm_head(self.norm(h))
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
 def _config(stage: int, world_size: int) -> dict:
