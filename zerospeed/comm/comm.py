@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerospeed.comm import exit_teardown
 from zerospeed.comm.comms_logger import comms_logger, logged
 from zerospeed.utils import heartbeat
 
@@ -100,10 +101,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     A process group the user already created is adopted as is. With no launcher environment at
     all, a single-process group is created so the same code path runs at world size 1.
     """
+    if not is_initialized() and dist_init_required is not False:
+        _create_default_group(dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout,
+                              init_method, rank, world_size)
     if is_initialized():
-        return
-    if dist_init_required is False:
-        return
+        exit_teardown.register()  # [Note: gloo exit abort]
+
+
+def _create_default_group(dist_backend: str | None, auto_mpi_discovery: bool, distributed_port: int,
+                          verbose: bool, timeout: datetime.timedelta | None, init_method: str | None,
+                          rank: int, world_size: int) -> None:
     from zerospeed.accelerator import get_accelerator
 
     backend = dist_backend or get_accelerator().communication_backend_name()
@@ -138,14 +145,12 @@ def _free_port() -> int:
 def destroy_process_group(group: Any = None) -> None:
     """Destroy ``group`` (all groups by default), after a barrier on gloo.
 
-    [Note: gloo exit abort] Without the barrier, a gloo job whose engine still holds a group at
-    interpreter exit aborted about one run in ten after all its work was done (``terminate called
-    without an active exception``, SIGABRT; measured: 2 of 20 runs of one stage-0 step on 2
-    ranks, 0 of 40 with this barrier, 0 of 20 with the engine deleted first). The likely cause: a
-    gloo worker thread still releasing the last asynchronous collective's tensors, which needs the
-    GIL, while the interpreter finalizes. A barrier first means every rank's earlier work is done
-    and the workers' last job holds no Python tensors. destroy_process_group is collective anyway
-    (torch's docs: every rank calls it); during an exception's clean-up the barrier is skipped.
+    A barrier first (on gloo) means every rank's earlier work on the group is done and the
+    workers' last job, the barrier, holds no Python tensors, so no worker thread still needs the GIL
+    when the interpreter finalizes ([Note: gloo exit abort] in exit_teardown.py; measured before
+    the exit teardown existed: 2 of 20 runs of one stage-0 step on 2 ranks aborted at exit without
+    the barrier, 0 of 40 with it). destroy_process_group is collective anyway (torch's docs: every
+    rank calls it); during an exception's clean-up the barrier is skipped.
     """
     member = group is not dist.GroupMember.NON_GROUP_MEMBER  # torch's destroy ignores non-members
     # While an exception propagates (a `finally:` or `except:` clean-up), the other ranks may be

@@ -14,10 +14,10 @@ A script decorated with torch elastic's ``@record`` also writes a structured err
 (``TORCHELASTIC_ERROR_FILE``); when present its traceback is preferred over the stderr tail.
 
 [Note: gloo teardown abort]
-With gloo, ``destroy_process_group()`` at interpreter exit aborts about one run in ten
-(``terminate called without an active exception`` then SIGABRT) after all work is done.
-``zerospeed.comm.destroy_process_group`` avoids it with a barrier first ([Note: gloo exit abort]
-in comm/comm.py); scripts that call torch's directly, or none, can still hit it.
+With torch 2.13 and gloo, a rank can abort at interpreter exit after all its work is done
+(``terminate called without an active exception`` then SIGABRT). zerospeed's own ranks avoid it
+([Note: gloo exit abort] in comm/exit_teardown.py); scripts that use ``torch.distributed``
+alone can still hit it.
 ``looks_like_teardown_abort()`` recognizes exactly that: killed by SIGABRT, and the last line on
 stderr is that message (no Python traceback after it). The supervisor treats such a rank as a
 *suspect*, not a failure: if every other local rank then exits 0 the node succeeds (with a
