@@ -66,14 +66,14 @@ def zero_state_for_deepspeed(state: dict[str, Any]) -> dict[str, Any]:
 def stage0_for_deepspeed(wrapper_state: dict[str, Any], group_sizes: list[int]) -> dict[str, Any]:
     """Our stage-0 wrapper state (`optimizer_state_dict`, `loss_scaler`, optional flat list
     `fp32_groups`, plus `param_names`/`trainable`) as DeepSpeed's bare or unfused entry."""
-    ours = {key: wrapper_state[key] for key in ("param_names", "trainable", "loss_scaler", "overflow", "clip_grad")
+    ours: dict[str, Any] = {key: wrapper_state[key] for key in ("param_names", "trainable", "loss_scaler", "overflow", "clip_grad")
             if key in wrapper_state}
     torch_state = wrapper_state["optimizer_state_dict"]
     if "fp32_groups" not in wrapper_state:          # fp32: DeepSpeed keeps the bare optimizer
         return {**torch_state, **ours}
     scaler = wrapper_state["loss_scaler"]
     masters = iter(wrapper_state["fp32_groups"])
-    entry = {"dynamic_loss_scale": bool(scaler.get("dynamic")), "cur_scale": float(scaler["cur_scale"]),
+    entry: dict[str, Any] = {"dynamic_loss_scale": bool(scaler.get("dynamic")), "cur_scale": float(scaler["cur_scale"]),
              "cur_iter": int(scaler.get("cur_iter", 0)), "optimizer_state_dict": torch_state,
              "fp32_groups": [[next(masters) for _ in range(size)] for size in group_sizes]}
     if scaler.get("dynamic"):
@@ -95,10 +95,10 @@ def stage0_from_deepspeed(entry: dict[str, Any], group_params: list[list[torch.T
             raise ValueError("a stage-0 checkpoint of DeepSpeed's fused FP16_Optimizer loads only at stage 0")
         torch_state, masters = _unflatten_fused(entry, group_params)
         return _wrapper_state(entry, torch_state, masters, entry.get("clip_grad", clip_grad))
-    masters = entry.get("fp32_groups")
-    if masters and isinstance(masters[0], (list, tuple)):   # DeepSpeed's unfused (and ours now): per group
-        masters = [m for group in masters for m in group]
-    return _wrapper_state(entry, entry["optimizer_state_dict"], masters, entry.get("clip_grad", clip_grad))
+    saved_masters = entry.get("fp32_groups")
+    if saved_masters and isinstance(saved_masters[0], (list, tuple)):   # DeepSpeed's unfused (and ours now): per group
+        saved_masters = [m for group in saved_masters for m in group]
+    return _wrapper_state(entry, entry["optimizer_state_dict"], saved_masters, entry.get("clip_grad", clip_grad))
 
 
 def _wrapper_state(entry: dict[str, Any], torch_state: dict[str, Any], masters: list[torch.Tensor] | None,

@@ -53,6 +53,8 @@ import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -83,6 +85,38 @@ class _Source:
         return 0 if self.alias_of else math.prod(self.shape) * self.dtype.itemsize
 
 
+# Builders of `_Source`s (bound with functools.partial, so each holds its own arguments).
+def _float_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float().clone()
+
+
+def _copy_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype).clone()
+
+
+def _build_as(source: _Source, dtype: torch.dtype) -> torch.Tensor:
+    return source.build().to(dtype)
+
+
+def _never_built() -> torch.Tensor:
+    raise AssertionError("an alias is written as its owner's tensor, never built")
+
+
+def _lean_param(leans: list[torch.Tensor], offset: int, numel: int, shape: torch.Size) -> torch.Tensor:
+    return _cat(_narrow_across(leans, offset, numel), torch.Size(shape))
+
+
+def _from_fragments(fragments: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    return torch.cat([x.float() for x in fragments]).narrow(0, 0, math.prod(shape)).view(shape)
+
+
+def _match(pattern: re.Pattern[str], path: str) -> re.Match[str]:
+    found = pattern.search(path)
+    if found is None:
+        raise ValueError(f"unexpected checkpoint file name {path} (expected to match {pattern.pattern})")
+    return found
+
+
 def _natural_key(path: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
@@ -111,7 +145,7 @@ _ENUM_MEMBERS: dict[type, dict[str, object]] = {
 }
 
 
-def _enum_member(owner: object, name: object) -> object:
+def _enum_member(owner: Any, name: Any) -> object:
     members = _ENUM_MEMBERS.get(owner) if isinstance(owner, type) else None
     if members is None or type(name) is not str or name not in members:
         what = f"class {owner.__qualname__}" if isinstance(owner, type) else f"a {type(owner).__qualname__} object"
@@ -120,7 +154,7 @@ def _enum_member(owner: object, name: object) -> object:
     return OptState[name] if owner is OptState else owner(members[name])
 
 
-_DEEPSPEED_GLOBALS = [(type(name, (_DeepSpeedObject,), {}), f"{module}.{name}") for module, name in (
+_DEEPSPEED_GLOBALS: list[Any] = [(type(name, (_DeepSpeedObject,), {}), f"{module}.{name}") for module, name in (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"))] + [
     (_DeepSpeedStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
@@ -253,7 +287,7 @@ class _ZeroCheckpoint:
         if verify:
             _verify(tag_dir, self.model_files + self.optim_files + self.expert_files)
         self.model0 = _load(self.model_files[0])
-        self.sources: OrderedDict[str, _Source] = OrderedDict()
+        self.sources = OrderedDict()
 
     def collect(self) -> OrderedDict:
         stage = self._read_optim_files()
@@ -306,7 +340,7 @@ class _ZeroCheckpoint:
             if frozen and self.exclude_frozen:
                 continue
             source = masters.get(name, tensor)
-            self.sources[name] = _Source(tensor.shape, torch.float32, lambda s=source: s.float().clone())
+            self.sources[name] = _Source(tensor.shape, torch.float32, partial(_float_copy, source))
 
     def _zero12_params(self) -> None:
         for g, shapes in enumerate(self.model0["param_shapes"]):
@@ -329,8 +363,7 @@ class _ZeroCheckpoint:
         offset = 0
         for k, (name, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
-            self.sources[rename(name)] = _Source(shape, torch.float32, lambda o=offset, n=numel, s=shape, t=leans:
-                                                 _cat(_narrow_across(t, o, n), torch.Size(s)))
+            self.sources[rename(name)] = _Source(shape, torch.float32, partial(_lean_param, leans, offset, numel, shape))
             offset += numel + (int(paddings[k]) if k < len(paddings) else 0)
         available = sum(t.numel() for t in leans)
         align = 2 * world_size
@@ -373,7 +406,7 @@ class _ZeroCheckpoint:
         if fragments is None:
             fragments = self._frozen_from_module(model_state)
         for name, tensor in fragments.items():
-            self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+            self.sources[name] = _Source(tensor.shape, torch.float32, partial(_float_copy, tensor))
 
     def _frozen_from_module(self, model_state: dict) -> dict:
         """DeepSpeed writes no frozen fragments at stage 1 (its converter then drops frozen
@@ -441,8 +474,7 @@ class _ZeroCheckpoint:
         models = [self.model0] + [_load(path) for path in self.model_files[1:]]
         for name, shape in shapes.items():
             fragments = [m["frozen_param_fragments"][name] for m in models]
-            self.sources[name] = _Source(shape, torch.float32, lambda f=fragments, s=shape:
-                                         torch.cat([x.float() for x in f]).narrow(0, 0, math.prod(s)).view(s))
+            self.sources[name] = _Source(shape, torch.float32, partial(_from_fragments, fragments, shape))
 
     def _experts(self, stage: int) -> None:
         """Every expert under its global id: the fp32 masters read above (stage 0: from the
@@ -455,7 +487,7 @@ class _ZeroCheckpoint:
                 self.expert_order.append(name)   # module order within each expert, experts by global id
                 if name in self.sources or (self.exclude_frozen and name not in self.trainable_experts):
                     continue
-                self.sources[name] = _Source(tensor.shape, torch.float32, lambda t=tensor: t.float().clone())
+                self.sources[name] = _Source(tensor.shape, torch.float32, partial(_float_copy, tensor))
 
     def _stage0_expert_masters(self) -> None:
         """Stage 0 in fp16/bf16: each `expp_rank_<p>` file holds the fp32 masters of ep rank p's
@@ -482,11 +514,11 @@ class _ZeroCheckpoint:
             flags = [flag for group in optimizer["trainable"] for flag in group]
             trainable = [n for group in optimizer["param_names"] for n in group]
             trainable = [n for n, flag in zip(trainable, flags) if flag]
-            writer = writers[int(re.search(r"expp_rank_(\d+)_", path).group(1))]
+            writer = writers[int(_match(re.compile(r"expp_rank_(\d+)_"), path).group(1))]
             rename = self._globalizer(names, ep_rank_of[writer])
             for name, master in zip(trainable, masters):
                 if _EXPERT_KEY in name:
-                    self.sources[rename(name)] = _Source(master.shape, torch.float32, lambda m=master: m.float().clone())
+                    self.sources[rename(name)] = _Source(master.shape, torch.float32, partial(_float_copy, master))
 
     @property
     def trainable_experts(self) -> set[str]:
@@ -501,12 +533,12 @@ class _ZeroCheckpoint:
         for name in self.model0.get("buffer_names", []):
             tensor = module[name]
             dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
-            self.sources[name] = _Source(tensor.shape, dtype, lambda t=tensor, d=dtype: t.to(d).clone())
+            self.sources[name] = _Source(tensor.shape, dtype, partial(_copy_as, tensor, dtype))
 
     def _shared(self) -> None:
         for alias, owner in (self.model0.get("shared_params") or {}).items():
             if owner in self.sources:
-                self.sources[alias] = _Source(self.sources[owner].shape, torch.float32, lambda: None, alias_of=owner)
+                self.sources[alias] = _Source(self.sources[owner].shape, torch.float32, _never_built, alias_of=owner)
 
     def _in_module_order(self) -> OrderedDict:
         if not any(s.nbytes for s in self.sources.values()) and not any(
@@ -545,7 +577,7 @@ class _PipelineCheckpoint:
     def __init__(self, tag_dir: str, layer_files: list[str], exclude_frozen_parameters: bool, verify: bool) -> None:
         self.tag_dir, self.exclude_frozen = tag_dir, exclude_frozen_parameters
         self.layer_files = sorted(layer_files, key=_natural_key)
-        sliced = [path for path in self.layer_files if _LAYER_FILE.search(path).group(2)]
+        sliced = [path for path in self.layer_files if _match(_LAYER_FILE, path).group(2)]
         if sliced:
             raise ValueError(f"{sliced[0]} is a tensor-parallel slice: merging tensor-parallel pipeline "
                              "checkpoints is not supported")
@@ -568,7 +600,7 @@ class _PipelineCheckpoint:
         tied: OrderedDict = OrderedDict()
         layers: OrderedDict = OrderedDict()
         for path in self.layer_files:
-            index, state = int(_LAYER_FILE.search(path).group(1)), _load(path)
+            index, state = int(_match(_LAYER_FILE, path).group(1)), _load(path)
             if any(f"{index}.{name}" in known for name in state) or not tied_keys:
                 layers.update((f"{index}.{name}", tensor) for name, tensor in state.items())
                 continue
@@ -590,7 +622,7 @@ class _PipelineCheckpoint:
         for path, state in zip(self.stage_files, self.stages):
             if not state.get("param_shapes"):   # DeepSpeed at stage 0 lists no names: the layer files are all
                 continue
-            stage_rank = re.search(r"mp_rank_(\d+)_model_states", path).group(1)
+            stage_rank = _match(re.compile(r"mp_rank_(\d+)_model_states"), path).group(1)
             optim = sorted(glob.glob(os.path.join(self.tag_dir, f"*_mp_rank_{stage_rank}_optim_states.pt")),
                            key=_natural_key)
             names = self._names(state)
@@ -603,7 +635,7 @@ class _PipelineCheckpoint:
         for name, tensor in module.items():   # what no stage lists: frozen weights, or all (DeepSpeed, stage 0)
             if name not in sources and not (self.exclude_frozen and listed and name not in buffers):
                 dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
-                sources[name] = _Source(tensor.shape, dtype, lambda t=tensor, d=dtype: t.to(d).clone())
+                sources[name] = _Source(tensor.shape, dtype, partial(_copy_as, tensor, dtype))
         order = [name for name in module if name in sources] + [name for name in sources if name not in module]
         return OrderedDict((name, sources[name]) for name in order)
 
@@ -711,7 +743,7 @@ def _cast(sources: OrderedDict, dtype: torch.dtype) -> OrderedDict:
         if source.alias_of is not None or not source.dtype.is_floating_point:
             cast[name] = source
         else:
-            cast[name] = _Source(source.shape, dtype, lambda s=source: s.build().to(dtype))
+            cast[name] = _Source(source.shape, dtype, partial(_build_as, source, dtype))
     return cast
 
 
@@ -751,9 +783,9 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str,
         weight_map.update({name: file_name for name in tensors})
         del tensors
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         with open(os.path.join(output_dir, f"{stem}.{ext}.index.json"), "w") as handle:
-            handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            handle.write(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size="5GB",
