@@ -14,14 +14,14 @@ overflow (fp16), global norm over the partitions (squares summed over ranks), un
 base optimizer, copy to `lp_flat`, re-gather the persistent parameters. Nothing else is gathered:
 parameters stay partitioned until the next forward fetches them.
 
-With `offload_optimizer` the fp32 masters and optimizer state of the offloaded sub-groups belong
-to `OffloadStates` (offload_states.py: host memory or NVMe, stepped by the CPU optimizer, which
-writes `lp_flat[k]` back); their `fp32_flat[k]` is then only a stand-in wrapping `lp_flat[k]`.
-That is every sub-group unless `offload_optimizer.ratio < 1`: then the first `num_on_device`
-sub-groups (sub_groups.py, DeepSpeed's rounding) take the path without offload, stepped by the
-CPU optimizer's torch counterpart, and sub-group k >= num_on_device is `OffloadStates` partition
-`k - num_on_device` ([Note: partial offload] in partial_offload.py). Sub-groups are cut and placed
-(sub_groups.py) before any is built; checkpoints: stage3_checkpoint.py.
+Where each sub-group lives is decided once, at construction, by `self.placement`
+([Note: sub-group placement] in offload/placement.py): `offload_param` puts `lp_flat[k]` on the
+device, in host memory or in a swap file; `offload_optimizer` gives the masters and optimizer
+state of the sub-groups k >= `num_on_device` (all of them unless `ratio < 1`: [Note: partial
+offload] in partial_offload.py) to `OffloadStates` (host or NVMe), their `fp32_flat[k]` then only
+a stand-in wrapping `lp_flat[k]` and `grad_flat[k]` a host buffer. This file asks the placement for
+each sub-group's master, gradient buffer, step and copy-back, and never branches on offload.
+Sub-groups are cut (sub_groups.py) before any is built; checkpoints: stage3_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A mixin of `DeepSpeedZeroOptimizer_Stage3` (stage3.py), which owns every tensor 
 optimizer-states file holds, per sub-group k in order, the fp32 master `fp32_flat_groups[k]`
 (padding kept) and the base optimizer's state for param k: one param per sub-group, whether the
 master lives on the device, in `OffloadStates` (host or NVMe) or, with `offload_optimizer.ratio <
-1`, some of each ([Note: partial offload] in partial_offload.py). So a checkpoint loads into a run
+1`, some of each ([Note: partial offload] in partial_offload.py; the wrapper's `placement` answers which:
+[Note: sub-group placement] in offload/placement.py). So a checkpoint loads into a run
 with any other offload setting, and zero_to_fp32 reads `fp32_flat_groups` with `param_shapes()`.
 """
 
