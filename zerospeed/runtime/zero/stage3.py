@@ -77,9 +77,9 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.placement.swap_out(self.lp_flat, self.fp32_flat, self.fp16_groups,
                                 lambda param: self._slots[id(param)].offset)
         self.gradients = Stage3GradientReducer(
-            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self.placement.offloaded,
+            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self.placement,
             precision=precision, dp_group=dp_group, reduce_bucket_numel=self.reduce_bucket_size,
-            overlap_comm=self.overlap_comm, sink=self.sink, leaf_param_ids=self.parameter_offload.leaf_param_ids)
+            overlap_comm=self.overlap_comm, leaf_param_ids=self.parameter_offload.leaf_param_ids)
 
     # --- setup: [Note: sub-group placement] in offload/placement.py ------------------------------
     def _init_sub_groups(self) -> None:

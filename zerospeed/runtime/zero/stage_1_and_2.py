@@ -279,8 +279,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             self._finish_reduce_in_backward()
         elif is_boundary:
             self._reduce_full_gradients()
-        if self.sink is not None:
-            self.sink.synchronize()       # [Note: offloaded gradients] the step reads them next
+        self.placement.gradients_complete()   # [Note: offloaded gradients] the step reads them next
 
     def _finish_reduce_in_backward(self) -> None:
         """Stage 1 + overlap_comm: parameters whose gradient came only in earlier micro-batches

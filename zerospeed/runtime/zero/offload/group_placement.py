@@ -58,6 +58,9 @@ class GroupPlacement:
         return accumulated
 
     # --- the step --------------------------------------------------------------------------------
+    def gradients_complete(self) -> None:
+        """End of backward: every reduced gradient is in the partition the step reads."""
+
     def step(self, masters: list[torch.Tensor], grads: list[torch.Tensor], multiplier: float) -> None:
         """The masters from their partition gradients times `multiplier` (unscale and clip)."""
         for master, grad in zip(masters, grads):
@@ -126,6 +129,9 @@ class OffloadGroupPlacement(GroupPlacement):
     def partition_grad(self, accumulated: torch.Tensor) -> torch.Tensor:
         # the device-side full flat gradients keep accumulating; the reduction writes a host copy
         return self._sink.host_buffer(accumulated.numel(), accumulated.dtype)
+
+    def gradients_complete(self) -> None:
+        self._sink.synchronize()   # the host ops of every reduced bucket have run
 
     def step(self, masters: list[torch.Tensor], grads: list[torch.Tensor], multiplier: float) -> None:
         self._holder.step(grads, multiplier)

@@ -56,6 +56,13 @@ def _step_on_device(optimizer: torch.optim.Optimizer | None, masters: Masters, g
     step_in_chunks(optimizer)  # type: ignore[arg-type]  # [Note: chunked optimizer step]
 
 
+def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the sink adds into a host `dtype` buffer: `reduced` itself when widening it to `dtype`
+    is exact (the host add then gives the bits of the device path's convert-then-add), else
+    `reduced` converted on the device, which rounds exactly as the path without offload does."""
+    return reduced if torch.promote_types(reduced.dtype, dtype) == dtype else reduced.to(dtype)
+
+
 class SubGroupPlacement:
     """What both placements share: the partitions' home, the device optimizer and its sub-groups."""
 
@@ -87,6 +94,15 @@ class SubGroupPlacement:
 
     def finish(self) -> None:
         """Every param group adopted: build what steps the device masters."""
+
+    # --- how reduced gradients reach the buffers ------------------------------------------------
+    def add_reduced(self, sub_group: int, dest: torch.Tensor, reduced: torch.Tensor) -> None:
+        """`dest += reduced`: `dest` a slice of sub-group `sub_group`'s gradient buffer, `reduced`
+        a slice of a slab buffer that is refilled once this returns."""
+        dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
+
+    def gradients_complete(self) -> None:
+        """End of a reduction pass: every `add_reduced` has landed in its buffer."""
 
     # --- the step --------------------------------------------------------------------------------
     def step(self, masters: Masters, grads: list[torch.Tensor], multiplier: float) -> None:
@@ -188,6 +204,19 @@ class OffloadPlacement(SubGroupPlacement):
         if self.offloaded(sub_group):
             return self.sink.host_buffer(numel, dtype)  # type: ignore[union-attr]
         return super().grad_buffer(sub_group, numel, dtype, device)
+
+    def add_reduced(self, sub_group: int, dest: torch.Tensor, reduced: torch.Tensor) -> None:
+        if not self.offloaded(sub_group):
+            super().add_reduced(sub_group, dest, reduced)
+            return
+        # [Note: offloaded gradients at stage 3] in stage3_gradients.py
+        values = _for_host_add(reduced, dest.dtype)
+        if values.device.type != "cpu" and values.data_ptr() == reduced.data_ptr():
+            values = values.clone()   # the sink reads it on its own stream, after the refill
+        self.sink.add(dest, values)  # type: ignore[union-attr]
+
+    def gradients_complete(self) -> None:
+        self.sink.synchronize()  # type: ignore[union-attr]
 
     def adopt(self, group: dict[str, Any], masters: Masters, start: int) -> None:
         """The offloaded sub-groups registered with `OffloadStates`, in order; the base optimizer's
