@@ -14,44 +14,39 @@ overflow (fp16), global norm over the partitions (squares summed over ranks), un
 base optimizer, copy to `lp_flat`, re-gather the persistent parameters. Nothing else is gathered:
 parameters stay partitioned until the next forward fetches them.
 
-With `offload_optimizer` the fp32 masters and optimizer state of the offloaded sub-groups belong
-to `OffloadStates` (offload_states.py: host memory or NVMe, stepped by the CPU optimizer, which
-writes `lp_flat[k]` back); their `fp32_flat[k]` is then only a stand-in wrapping `lp_flat[k]`.
-That is every sub-group unless `offload_optimizer.ratio < 1`: then the first `num_on_device`
-sub-groups (sub_groups.py, DeepSpeed's rounding) take the path without offload, stepped by the
-CPU optimizer's torch counterpart, and sub-group k >= num_on_device is `OffloadStates` partition
-`k - num_on_device` ([Note: partial offload] in partial_offload.py). Sub-groups are cut and placed
-(sub_groups.py) before any is built; checkpoints: stage3_checkpoint.py.
+Where each sub-group lives is decided once, at construction, by `self.placement`
+([Note: sub-group placement] in offload/placement.py): `offload_param` puts `lp_flat[k]` on the
+device, in host memory or in a swap file; `offload_optimizer` gives the masters and optimizer
+state of the sub-groups k >= `num_on_device` (all of them unless `ratio < 1`: [Note: partial
+offload] in partial_offload.py) to `OffloadStates` (host or NVMe), their `fp32_flat[k]` then only
+a stand-in wrapping `lp_flat[k]` and `grad_flat[k]` a host buffer. This file asks the placement for
+each sub-group's master, gradient buffer, step and copy-back, and never branches on offload.
+Sub-groups are cut (sub_groups.py) before any is built; checkpoints: stage3_checkpoint.py.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, optimizer_state_tensors, tensor_bytes
-from zerospeed.runtime.chunked_step import step_in_chunks
-from zerospeed.runtime.config_sections import AioConfig
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.muon.attach import attach_zero3
-from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
-from zerospeed.runtime.zero.offload.param_swapper import ParamSwapper, SwappedFlatAccess
-from zerospeed.runtime.zero.offload.partial_offload import build_device_optimizer
+from zerospeed.runtime.zero.offload.param_swapper import ParamSwapper
+from zerospeed.runtime.zero.offload.placement import build_placement, resolve_aio_config
 from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
-from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, set_partition, set_swapped
+from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus, set_partition
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zerospeed.runtime.zero.stage3_checkpoint import Stage3Checkpointing
 from zerospeed.runtime.zero.stage3_gradients import GradientSlot, Stage3GradientReducer
 from zerospeed.runtime.zero.state_offload import StateTensors
-from zerospeed.runtime.zero.sub_groups import num_sub_groups_on_device, plan_sub_groups
+from zerospeed.runtime.zero.sub_groups import plan_sub_groups
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "plan_sub_groups"]
 
@@ -63,9 +58,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
                  offload: OffloadStates | None = None, aio_config: Any = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
-        self.aio_config = aio_config if aio_config is not None else (offload.aio_config if offload else AioConfig())
-        # [Note: offloaded gradients at stage 3] in stage3_gradients.py
-        self.sink = None if offload is None else HostGradientSink(bool(zero_config.offload_optimizer.pin_memory))
+        self.aio_config = resolve_aio_config(aio_config, offload)
         # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
         # sub-groups live on the host): the step's scalar collectives always run on the device.
         self._comm_device = torch.device(get_accelerator().current_device_name())
@@ -81,13 +74,14 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         # Muon's matrix owners ([Note: owner-based Muon]); nothing for other optimizers
         attach_zero3(self.optimizer, self._group_ranges, self.fp16_groups, self.fp32_flat,
                      lambda param: self._slots[id(param)].offset, dp_group, self.world_size)
-        self.param_swapper = self._swap_out_partitions()
+        self.placement.swap_out(self.lp_flat, self.fp32_flat, self.fp16_groups,
+                                lambda param: self._slots[id(param)].offset)
         self.gradients = Stage3GradientReducer(
-            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self._offloaded,
+            [p for group in self.fp16_groups for p in group], self.grad_flat, self._slots, self.placement,
             precision=precision, dp_group=dp_group, reduce_bucket_numel=self.reduce_bucket_size,
-            overlap_comm=self.overlap_comm, sink=self.sink, leaf_param_ids=self.parameter_offload.leaf_param_ids)
+            overlap_comm=self.overlap_comm, leaf_param_ids=self.parameter_offload.leaf_param_ids)
 
-    # --- setup --------------------------------------------------------------------------------
+    # --- setup: [Note: sub-group placement] in offload/placement.py ------------------------------
     def _init_sub_groups(self) -> None:
         self.fp16_groups: list[list[ZeroParameter]] = []
         self.lp_flat: list[torch.Tensor] = []
@@ -99,113 +93,47 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         trainable = [[p for p in group["params"] if p.requires_grad] for group in groups]
         cuts = [plan_sub_groups([p.partition_numel() for p in params], int(self.zero_config.sub_group_size))
                 for params in trainable]
-        num_sub_groups = sum(len(group_cuts) for group_cuts in cuts)
-        # [Note: partial offload] in partial_offload.py; no offload places every sub-group as ratio 0 does
-        ratio = float(self.zero_config.offload_optimizer.ratio) if self.offload is not None else 0.0
-        self.num_on_device = num_sub_groups_on_device(num_sub_groups, ratio)
-        on_device = []
+        self.placement = build_placement(self.optimizer, self.zero_config, self.offload, self.aio_config,
+                                         sum(len(group_cuts) for group_cuts in cuts), self._comm_device)
         for group, params, group_cuts in zip(groups, trainable, cuts):
             start = len(self.fp32_flat)
             masters = [self._build_sub_group([params[i] for i in cut]) for cut in group_cuts]
             self._group_ranges.append(range(start, len(self.fp32_flat)))
-            on_device.append([m for k, m in enumerate(masters, start) if not self._offloaded(k)])
-            units = [unit for k, m in enumerate(masters, start) if self._offloaded(k)
-                     for unit in self.offload.register(group, m.data)]  # type: ignore[union-attr]
-            group["params"] = on_device[-1] if self.offload is None else units
-        self._device_optimizer = self._init_device_optimizer(on_device, ratio)
-
-    def _init_device_optimizer(self, on_device: list[list[torch.nn.Parameter]],
-                               ratio: float) -> torch.optim.Optimizer | None:
-        """What steps the masters kept on the device: the base optimizer without offload, its torch
-        counterpart with `ratio < 1`, nothing with everything offloaded."""
-        if self.offload is None:
-            return self.optimizer
-        return build_device_optimizer(self.optimizer, on_device) if ratio < 1 else None
-
-    def _offloaded(self, sub_group: int) -> bool:
-        """Whether `OffloadStates` holds this sub-group (as its partition `sub_group - num_on_device`)."""
-        return sub_group >= self.num_on_device
+            self.placement.adopt(group, masters, start)
+        self.placement.finish()
 
     def _build_sub_group(self, params: list[ZeroParameter]) -> torch.nn.Parameter:
         index = len(self.fp16_groups)
-        dtype = self.precision.param_dtype
-        lp = self._place_partition(torch.cat([p.ds_tensor.to(dtype) for p in params]))
+        lp = self.placement.partitions.place(torch.cat([p.ds_tensor.to(self.precision.param_dtype) for p in params]))
         offset = 0
         for param in params:
             size = param.partition_numel()
             set_partition(param, lp.narrow(0, offset, size))
             self._slots[id(param)] = GradientSlot(index, offset)
             offset += size
-        offloaded = self._offloaded(index)
-        if offloaded:  # a stand-in: OffloadStates holds the real master
-            master = torch.nn.Parameter(lp)
-        elif self._param_offload_alone():
-            # [Note: offload_param alone] the master and the optimizer state stay on the compute
-            # device (DeepSpeed's ZeRO-Infinity parameter offload); only `lp` lives on the host / NVMe.
-            master = torch.nn.Parameter(lp.to(self._comm_device, torch.float32, copy=True))
-        else:
-            master = torch.nn.Parameter(lp if dtype == torch.float32 else lp.float())
+        master = self.placement.master(index, lp)
         self.fp16_groups.append(params)
         self.lp_flat.append(lp)
         self.fp32_flat.append(master)
-        dtype = self.precision.grad_accum_dtype
-        self.grad_flat.append(self.sink.host_buffer(lp.numel(), dtype) if offloaded  # type: ignore[union-attr]
-                              else torch.zeros(lp.numel(), dtype=dtype, device=master.device))
+        self.grad_flat.append(self.placement.grad_buffer(index, lp.numel(), self.precision.grad_accum_dtype,
+                                                         master.device))
         return master
 
-    def _param_offload_alone(self) -> bool:
-        block = self.zero_config.offload_param
-        return self.offload is None and block is not None and block.enabled
+    # --- what the placement decided, under the names tests and tools read ----------------------------
+    @property
+    def sink(self) -> HostGradientSink | None:
+        """With `offload_optimizer`: where offloaded sub-groups' gradients go during backward."""
+        return self.placement.sink
 
-    def _place_partition(self, lp: torch.Tensor) -> torch.Tensor:
-        """`offload_param`: the sub-group's partitions live in host memory (pinned with an
-        accelerator); with `nvme`, `_swap_out_partitions` then moves most of them to files."""
-        block = self.zero_config.offload_param
-        if block is None or not block.enabled:
-            return lp
-        pin = bool(block.pin_memory) and torch.cuda.is_available()
-        return torch.empty(lp.shape, dtype=lp.dtype, pin_memory=pin).copy_(lp)
+    @property
+    def num_on_device(self) -> int:
+        """How many leading sub-groups keep their master on the device ([Note: partial offload])."""
+        return self.placement.num_on_device
 
-    def _param_nvme_block(self) -> Any:
-        block = self.zero_config.offload_param
-        return block if block is not None and block.device.value == "nvme" else None
-
-    def _swap_out_partitions(self) -> ParamSwapper | None:
-        """`offload_param: nvme`: sub-groups beyond the first `max_in_cpu` elements (cumulative, in
-        sub-group order: DeepSpeed's rule) are written to files and dropped from memory."""
-        block = self._param_nvme_block()
-        self._swapped_flats: dict[int, int] = {}
-        if block is None:
-            return None
-        aio = self.aio_config
-        swap_dir = os.path.join(str(block.nvme_path), "zerospeed_offload",
-                                f"rank{comm.get_rank():02d}_pid{os.getpid()}", "param")
-        swapper = ParamSwapper(swap_dir, AsyncIOEngine(aio.block_size, aio.queue_depth, aio.intra_op_parallelism),
-                               int(block.buffer_count) * int(block.buffer_size), bool(block.pin_memory))
-        flat_ids: dict[int, int] = {}
-        in_cpu = 0
-        for index, (lp, params) in enumerate(zip(self.lp_flat, self.fp16_groups)):
-            if in_cpu + lp.numel() <= int(block.max_in_cpu):
-                in_cpu += lp.numel()
-                continue
-            flat_ids[index] = swapper.add_flat(lp)
-            for param in params:
-                part = swapper.partition(flat_ids[index], self._slots[id(param)].offset, param.partition_numel())
-                set_swapped(param, part)
-            self._drop_flat(index, torch.empty(0, dtype=lp.dtype))
-        self._swapped_flats = flat_ids
-        if self.offload is not None:
-            self.offload.partition_access = SwappedFlatAccess(swapper, self.offload.partitions, flat_ids)
-        return swapper
-
-    def _drop_flat(self, index: int, stand_in: torch.Tensor) -> None:
-        """Every reference to sub-group `index`'s resident flat now points at `stand_in` (the master
-        too when it is the flat itself: offloaded fp32; alone, the master is a device copy)."""
-        self.lp_flat[index] = stand_in
-        if self.offload is not None:
-            self.fp32_flat[index].data = stand_in
-            self.offload.partitions[index] = stand_in
-
+    @property
+    def param_swapper(self) -> ParamSwapper | None:
+        """With `offload_param: nvme`: the swap files of the partitions beyond `max_in_cpu`."""
+        return self.placement.partitions.swapper
 
     # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
     def backward_epilogue(self, is_boundary: bool) -> None:
@@ -232,30 +160,11 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         return pieces
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
-        self._step_on_device(grads[:self.num_on_device], multiplier)
-        if self.offload is not None:
-            self.offload.step(grads[self.num_on_device:], multiplier)
+        self.placement.step(self.fp32_flat, grads, multiplier)
         self._publish_masters()
 
-    def _step_on_device(self, grads: list[torch.Tensor], multiplier: float) -> None:
-        """The sub-groups whose masters are not offloaded: all of them without offload."""
-        masters = self.fp32_flat[:len(grads)]
-        if not masters:
-            return
-        for master, grad in zip(masters, grads):
-            master.grad = grad if grad.dtype == master.dtype else grad.float()
-        scale_([m.grad for m in masters], multiplier)
-        step_in_chunks(self._device_optimizer)  # type: ignore[arg-type]  # [Note: chunked optimizer step]
-
-    @torch.no_grad()
     def _publish_masters(self) -> None:
-        swapped = self._swapped_flats if self.offload is None else {}  # with offload: written by its step
-        for index, (master, lp) in enumerate(zip(self.fp32_flat, self.lp_flat)):
-            master.grad = None
-            if index in swapped:  # [Note: offload_param alone] the device master back to the file
-                self.param_swapper.write_range(swapped[index], 0, master.detach().to("cpu", lp.dtype), wait=True)  # type: ignore[union-attr]
-            elif master.data_ptr() != lp.data_ptr():
-                lp.copy_(master)
+        self.placement.publish(self.fp32_flat, self.lp_flat)
         self.parameter_offload.refresh_persistent_parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -268,20 +177,15 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
                 param.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
-        separate_master = self.precision.low_precision
-        device = self._device_optimizer
+        state = self.placement.state_bytes(self.fp32_flat, self.precision.low_precision)
         breakdown = {
             "lp_params": tensor_bytes(self.lp_flat),
             "grads": tensor_bytes(self.grad_flat),
-            "master_params": tensor_bytes(self.fp32_flat[:self.num_on_device]) if separate_master else 0,
-            "optimizer_states": tensor_bytes(optimizer_state_tensors(device)) if device is not None else 0,
+            "master_params": state["master_params"],
+            "optimizer_states": state["optimizer_states"],
             "persistent_params": tensor_bytes([p.data for p in self.parameter_offload.params
                                                if p.zs_state.persist]),
         }
-        if self.offload is not None:
-            offloaded = self.offload.memory_breakdown()
-            breakdown["master_params"] += offloaded["master_params"]
-            breakdown["optimizer_states"] += offloaded["optimizer_states"]
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 
@@ -292,12 +196,11 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.parameter_offload.partition_all_parameters()   # nothing else stays gathered
         params = self.parameter_offload.params
         gathered = [p for p in params if p.zs_state.persist and p.zs_state.status is ZeroParamStatus.AVAILABLE]
-        kept = self.fp32_flat[:self.num_on_device]   # the other masters belong to OffloadStates
-        device = self._device_optimizer
+        kept = self.num_on_device   # the other sub-groups' masters and gradients belong to OffloadStates
         return {OffloadStateTypeEnum.lp_params: [*self.lp_flat, *(p.zs_state.partition for p in params), *gathered],
-                OffloadStateTypeEnum.hp_params: list(kept),
-                OffloadStateTypeEnum.lp_grads: [g for k, g in enumerate(self.grad_flat) if not self._offloaded(k)],
-                OffloadStateTypeEnum.optim_states: [] if device is None else optimizer_state_tensors(device),
+                OffloadStateTypeEnum.hp_params: list(self.fp32_flat[:kept]),
+                OffloadStateTypeEnum.lp_grads: list(self.grad_flat[:kept]),
+                OffloadStateTypeEnum.optim_states: self.placement.device_state_tensors(),
                 OffloadStateTypeEnum.contiguous_grad_buffer: self.gradients.slab_buffers()}
 
     # --- DeepSpeed's names for the same things ------------------------------------------------------
@@ -312,10 +215,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     @property
     def subgroup_to_device(self) -> dict[int, str]:
         """With `offload_optimizer`: where each sub-group's master and optimizer state live."""
-        if self.offload is None:
-            return {}
-        device = get_accelerator().device_name()
-        return {k: "cpu" if self._offloaded(k) else device for k in range(len(self.fp32_flat))}
+        return self.placement.subgroup_to_device(len(self.fp32_flat))
 
     def trainable_param_groups(self) -> list[list[torch.nn.Parameter]]:
         return list(self.fp16_groups)  # type: ignore[arg-type]
@@ -342,7 +242,4 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
 
     def close(self) -> None:
         """Wait for offload I/O and remove the swap files (also done at garbage collection and exit)."""
-        if self.param_swapper is not None:
-            self.param_swapper.close()
-        if self.offload is not None:
-            self.offload.close()
+        self.placement.close()

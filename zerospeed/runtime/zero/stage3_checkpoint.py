@@ -4,7 +4,8 @@ A mixin of `DeepSpeedZeroOptimizer_Stage3` (stage3.py), which owns every tensor 
 optimizer-states file holds, per sub-group k in order, the fp32 master `fp32_flat_groups[k]`
 (padding kept) and the base optimizer's state for param k: one param per sub-group, whether the
 master lives on the device, in `OffloadStates` (host or NVMe) or, with `offload_optimizer.ratio <
-1`, some of each ([Note: partial offload] in partial_offload.py). So a checkpoint loads into a run
+1`, some of each ([Note: partial offload] in partial_offload.py; the wrapper's `placement` answers which:
+[Note: sub-group placement] in offload/placement.py). So a checkpoint loads into a run
 with any other offload setting, and zero_to_fp32 reads `fp32_flat_groups` with `param_shapes()`.
 """
 
@@ -26,10 +27,9 @@ from zerospeed.checkpoint.contract import (CheckpointFiles, CheckpointLayout, Fr
                                                        frozen_param_records)
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.config import ZeroStageEnum
-from zerospeed.runtime.zero.offload.offload_states import OffloadStates
+from zerospeed.runtime.zero.offload.placement import SubGroupPlacement
 from zerospeed.runtime.zero.param_state import ZeroParameter, rank_span
 from zerospeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-from zerospeed.runtime.zero.offload.partial_offload import load_device_state, merge_state_dicts, split_state_dict
 from zerospeed.version import __version__
 
 if TYPE_CHECKING:
@@ -49,18 +49,13 @@ class Stage3Checkpointing:
     world_size: int
     dp_rank: int
     zero_config: Any
-    offload: OffloadStates | None
     parameter_offload: DeepSpeedZeRoOffload
     fp16_groups: list[list[ZeroParameter]]
     lp_flat: list[torch.Tensor]
     fp32_flat: list[torch.nn.Parameter]
-    num_on_device: int
-    _device_optimizer: torch.optim.Optimizer | None
+    placement: SubGroupPlacement                  # [Note: sub-group placement] in offload/placement.py
     _group_ranges: list[range]
-    _offloaded: Callable[[int], bool]             # the wrapper's methods this mixin calls
-    _publish_masters: Callable[[], None]
-    param_swapper: Any                            # ParamSwapper with offload_param nvme, else None
-    _swapped_flats: dict[int, int]                # sub-group -> swap file, offload_param nvme
+    _publish_masters: Callable[[], None]          # the wrapper's method this mixin calls
 
     # --- the optimizer-states file -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -79,61 +74,30 @@ class Stage3Checkpointing:
 
     def _optimizer_state_dict(self) -> dict[str, Any]:
         """The base optimizer's state_dict as without offload: one param per sub-group, in order."""
-        if self.offload is None:
-            return self.optimizer.state_dict()
-        offloaded = self.offload.optimizer_state_dict()
-        if self._device_optimizer is None:
-            return offloaded
-        return merge_state_dicts(self._device_optimizer, self.fp32_flat[:self.num_on_device], offloaded,
-                                 self._group_ranges)
-
-    def _load_optimizer_state_dict(self, saved: dict[str, Any]) -> None:
-        if self.offload is None:
-            self.optimizer.load_state_dict(saved)
-        elif self._device_optimizer is None:
-            self.offload.load_optimizer_state_dict(saved)
-        else:
-            device, offloaded = split_state_dict(saved, self.num_on_device)
-            self.offload.load_optimizer_state_dict(offloaded)
-            load_device_state(self._device_optimizer, self.fp32_flat[:self.num_on_device], device)
+        return self.placement.optimizer_state_dict(self.fp32_flat, self._group_ranges)
 
     def _fp32_flat_group(self, index: int) -> torch.Tensor:
-        if self._offloaded(index):
-            return self.offload.master_partition(index - self.num_on_device)  # type: ignore[union-attr]
-        return self.fp32_flat[index].detach().float().clone()
+        return self.placement.master_copy(index, self.fp32_flat)
 
     def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
         if int(state_dict.get("partition_count", self.world_size)) != self.world_size:
             raise ValueError(f"checkpoint was saved with {state_dict['partition_count']} partitions, "
                              f"this run has {self.world_size}: re-partition it with the checkpoint tools")
         if load_optimizer_states:
-            self._load_optimizer_state_dict(state_dict["optimizer_state_dict"])
+            self.placement.load_optimizer_state_dict(state_dict["optimizer_state_dict"], self.fp32_flat)
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.overflow = bool(state_dict.get("overflow", False))
         if self.zero_config.load_from_fp32_weights:
             with torch.no_grad():
-                for index, (master, saved) in enumerate(zip(self.fp32_flat, state_dict["fp32_flat_groups"])):
-                    if self._offloaded(index):
-                        self.offload.load_master_partition(index - self.num_on_device, saved)  # type: ignore[union-attr]
-                    else:
-                        master.copy_(saved)
+                for index, saved in enumerate(state_dict["fp32_flat_groups"][:len(self.fp32_flat)]):
+                    self.placement.load_master(index, saved, self.fp32_flat)
             self._publish_masters()
         else:
             self.refresh_fp32_params()
 
     def refresh_fp32_params(self) -> None:
         """Re-derive the fp32 masters from the (just loaded) low-precision partitions."""
-        if self.offload is not None:
-            self.offload.refresh_from_partitions()
-        swapped = self._swapped_flats if self.offload is None else {}
-        with torch.no_grad():
-            for index, (master, lp) in enumerate(zip(self.fp32_flat[:self.num_on_device], self.lp_flat)):
-                if index in swapped:  # offload_param alone: the partitions are in the swap file
-                    values = torch.empty(master.numel(), dtype=self.param_swapper.dtype(swapped[index]))
-                    self.param_swapper.read_range(swapped[index], 0, values)
-                    master.copy_(values)
-                elif master.data_ptr() != lp.data_ptr():
-                    master.copy_(lp)
+        self.placement.refresh_masters(self.fp32_flat, self.lp_flat)
 
     # --- the checkpoint contract ([Note: checkpoint contract]): the module holds partitions only ------
     weights_in_optimizer_files = True

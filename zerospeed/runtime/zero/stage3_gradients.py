@@ -1,9 +1,9 @@
 """`Stage3GradientReducer`: how a stage-3 wrapper turns full gradients into this rank's partitions.
 
 `DeepSpeedZeroOptimizer_Stage3` (stage3.py) holds one, as stages 1/2 hold their
-`GradientBuckets`: the wrapper owns the tensors (`grad_flat`, the sub-group slots, the `sink` with
-optimizer offload) and passes them to the constructor; the reducer owns the hooks, the open slab
-and the collectives in flight.
+`GradientBuckets`: the wrapper owns the tensors (`grad_flat`, the sub-group slots) and passes
+them to the constructor with its placement, which lands each reduced slice in its sub-group's
+buffer (offload/placement.py); the reducer owns the hooks, the open slab and the collectives in flight.
 
 [Note: gradient path]
 A post-accumulate-grad hook on each trainable parameter copies its full gradient into the open
@@ -26,7 +26,8 @@ gradients] in stage_1_and_2.py); the sink holds the slab's output (a copy of it,
 accelerator, when it is a view of a slab buffer) until its copy has landed.
 A slice whose widening to `grad_accum_dtype` is exact (bf16 into fp32) crosses as it is, half the
 bytes, and the host add widens it; a narrowing is done on the device first, as without offload,
-so both runs round the same way. `finish` synchronizes the sink, so the overflow
+so both runs round the same way (`OffloadPlacement.add_reduced` in offload/placement.py).
+`finish` synchronizes the sink (`gradients_complete`), so the overflow
 check, the norm (their per-rank scalar reduced on the accelerator) and `OffloadStates.step`
 (which takes views, no copy at the step) read final host gradients.
 
@@ -45,8 +46,7 @@ the norm and overflow reductions over the data-parallel group count every expert
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -54,7 +54,6 @@ from zerospeed import comm
 from zerospeed.comm.in_flight import InFlightQueue
 from zerospeed.runtime.precision import PrecisionSettings, averaging_factors
 from zerospeed.runtime.zero.grad_buckets import MAX_BUCKET_NUMEL
-from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.param_state import ZeroParameter
 from zerospeed.runtime.zero.partition_parameters import compute_device
 from zerospeed.runtime.zero.stage3_slabs import GradientSlabs, Slab, SlabPiece, slab_capacity
@@ -72,33 +71,35 @@ class GradientSlot(NamedTuple):
     offset: int
 
 
-def _for_host_add(reduced: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What the sink adds into a host `dtype` buffer: `reduced` itself when widening it to `dtype`
-    is exact (the host add then gives the bits of the device path's convert-then-add), else
-    `reduced` converted on the device, which rounds exactly as the path without offload does."""
-    return reduced if torch.promote_types(reduced.dtype, dtype) == dtype else reduced.to(dtype)
+class GradientDestinations(Protocol):
+    """How reduced slices reach `grad_flat` (the wrapper's placement, offload/placement.py)."""
+
+    def add_reduced(self, sub_group: int, dest: torch.Tensor, reduced: torch.Tensor) -> None:
+        """`dest += reduced`, `dest` a slice of `grad_flat[sub_group]` (on the host: later)."""
+
+    def gradients_complete(self) -> None:
+        """Every `add_reduced` so far has landed."""
 
 
 class Stage3GradientReducer:
     """Hooks, slabs, reduce-scatter and the host sink; `end_backward` ends a backward."""
 
     def __init__(self, params: list[ZeroParameter], grad_flat: list[torch.Tensor],
-                 slots: dict[int, GradientSlot], on_host: Callable[[int], bool], *,
+                 slots: dict[int, GradientSlot], destinations: GradientDestinations, *,
                  precision: PrecisionSettings, dp_group: Any, reduce_bucket_numel: int, overlap_comm: bool,
-                 sink: HostGradientSink | None, leaf_param_ids: set[int]) -> None:
+                 leaf_param_ids: set[int]) -> None:
         """`params`: the trainable parameters; `grad_flat[k]`: sub-group k's gradient partitions,
-        `slots[id(param)]` a parameter's place in them; `on_host(k)`: whether sub-group k's buffer
-        is an offloaded host buffer, written through `sink`; `leaf_param_ids`: ds_ids of the
+        `slots[id(param)]` a parameter's place in them; `destinations`: adds a reduced slice into
+        them (through the host sink for an offloaded sub-group); `leaf_param_ids`: ds_ids of the
         parameters of z3-leaf modules ([Note: leaf-module gradients])."""
         self.grad_flat = grad_flat
         self.slots = slots
-        self.on_host = on_host
+        self.destinations = destinations
         self.precision = precision
         self.dp_group = dp_group
         self.world_size = comm.get_world_size(dp_group)
         self.reduce_bucket_numel = reduce_bucket_numel
         self.overlap_comm = overlap_comm
-        self.sink = sink
         self.leaf_param_ids = leaf_param_ids
         self.before, self.after = averaging_factors(precision, self.world_size)
         # [Note: gradient slabs]: bounded, and no larger than the model
@@ -184,14 +185,7 @@ class Stage3GradientReducer:
         for param, column, numel in pieces:
             slot = self.slots[id(param)]
             dest = self.grad_flat[slot.sub_group].narrow(0, slot.offset + column, numel)
-            reduced = output.narrow(0, offset, numel)
-            if not self.on_host(slot.sub_group):
-                dest.add_(reduced.to(dest.device, dest.dtype))   # host with `offload_param` alone
-            else:   # [Note: offloaded gradients at stage 3]
-                values = _for_host_add(reduced, dest.dtype)
-                if values.device.type != "cpu" and values.data_ptr() == reduced.data_ptr():
-                    values = values.clone()   # the sink reads it on its own stream, after the refill
-                self.sink.add(dest, values)  # type: ignore[union-attr]
+            self.destinations.add_reduced(slot.sub_group, dest, output.narrow(0, offset, numel))
             offset += numel
 
     def end_backward(self) -> None:
@@ -203,8 +197,7 @@ class Stage3GradientReducer:
         """Reduce the open slab, wait for every reduction, land the host copies."""
         self._flush_slab()
         self._in_flight.drain()
-        if self.sink is not None:
-            self.sink.synchronize()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
+        self.destinations.gradients_complete()   # [Note: offloaded gradients at stage 3] what reads grad_flat comes next
 
     def slab_buffers(self) -> list[torch.Tensor]:
         """The reused slab buffers allocated so far (scratch between backwards: `offload_states`)."""

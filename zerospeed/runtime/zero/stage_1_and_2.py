@@ -27,6 +27,7 @@ states, with 4 Psi or 4 Psi/N grads) and no copy-back after the step. With fp16/
 parameters the master is a separate fp32 clone. With `offload_optimizer` the masters and the
 optimizer state belong to `OffloadStates` (offload_states.py, host memory or NVMe): the wrapper
 hands it the partitioned gradients at the step, and `_FlatGroup.master` is just the lp partition.
+Which of the two a run has is decided once, by `self.placement` (offload/group_placement.py).
 
 [Note: offloaded gradients]
 With `offload_optimizer` the partition the step reads (`_FlatGroup.partition_grad`) is a host
@@ -47,17 +48,14 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.accelerator import get_accelerator
-from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, optimizer_state_tensors, tensor_bytes
-from zerospeed.runtime.chunked_step import step_in_chunks
+from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, tensor_bytes
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.muon.attach import attach_zero12
-from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
+from zerospeed.runtime.zero.offload.group_placement import build_group_placement
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
 from zerospeed.runtime.zero.offload.config import OffloadStateTypeEnum
 from zerospeed.runtime.zero.stage_1_and_2_checkpoint import Zero12Checkpointing
@@ -72,8 +70,6 @@ from zerospeed.runtime.zero.partition import (
 from zerospeed.runtime.zero.state_offload import StateTensors
 
 __all__ = ["DeepSpeedZeroOptimizer"]
-
-_MASTER_DTYPE = torch.float32
 
 
 @dataclasses.dataclass
@@ -127,11 +123,6 @@ def _warn_ignored(zero_config: Any) -> None:
                         "and is ignored")
 
 
-def _offload_pin_memory(zero_config: Any) -> bool:
-    block = getattr(zero_config, "offload_optimizer", None)
-    return bool(getattr(block, "pin_memory", True))
-
-
 def _separate(tensor: torch.Tensor, other: torch.Tensor) -> bool:
     return tensor.untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
 
@@ -142,9 +133,11 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
                  param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision)
         self.offload = offload
-        self.sink = None if offload is None else HostGradientSink(_offload_pin_memory(zero_config))
-        # [Note: offloaded gradients] host gradients: the step's scalar collectives run here.
-        self._comm_device = None if offload is None else torch.device(get_accelerator().current_device_name())
+        # where the masters, optimizer state and step gradients live, decided once (offload/group_placement.py)
+        self.placement = build_group_placement(init_optimizer, zero_config, offload)
+        self.sink = self.placement.sink
+        # [Note: offloaded gradients] host gradients: the step's scalar collectives run there.
+        self._comm_device = self.placement.comm_device
         self.settings = _ZeroSettings.from_config(zero_config)
         _warn_ignored(zero_config)
         self.dp_process_group = dp_group
@@ -181,13 +174,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             param.data = view.view_as(param)
         start, part_numel = layout.partition_start(dp_rank), layout.partition_numel
         lp_partition = lp_flat.narrow(0, start, part_numel)
-        # [Note: fp32 master sharing]
-        if self.offload is not None:
-            group["params"] = self.offload.register(group, lp_partition)
-            master = lp_partition
-        else:
-            master = lp_partition if dtype == _MASTER_DTYPE else lp_partition.to(_MASTER_DTYPE).clone()
-            group["params"] = [master]
+        master = self.placement.master(group, lp_partition)   # [Note: fp32 master sharing]
         grads, partition_grad = self._init_grad_buffers(layout, device, dp_rank)
         names = [param_names.get(p, f"group{group_index}.param{i}") for i, p in enumerate(params)]
         slabs = plan_slabs(part_numel, world_size, self.settings.reduce_bucket_size)
@@ -218,13 +205,11 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         """(the buffer gradients accumulate in, the partition of them the step reads)."""
         dtype, part_numel = self.precision.grad_accum_dtype, layout.partition_numel
         if self.partition_gradients:
-            grads = (self.sink.host_buffer(part_numel, dtype) if self.sink is not None
-                     else torch.zeros(part_numel, dtype=dtype, device=device))
+            grads = self.placement.grad_buffer(part_numel, dtype, device)
             return grads, grads
         grads = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        if self.sink is not None:   # [Note: offloaded gradients]
-            return grads, self.sink.host_buffer(part_numel, dtype)
-        return grads, grads.narrow(0, layout.partition_start(dp_rank), part_numel)
+        # [Note: offloaded gradients]: with offload, a host buffer beside the device-side flat one
+        return grads, self.placement.partition_grad(grads.narrow(0, layout.partition_start(dp_rank), part_numel))
 
     def _init_reduction(self) -> None:
         # One reducer and bucket set per process group the param groups are partitioned over: the
@@ -294,8 +279,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             self._finish_reduce_in_backward()
         elif is_boundary:
             self._reduce_full_gradients()
-        if self.sink is not None:
-            self.sink.synchronize()       # [Note: offloaded gradients] the step reads them next
+        self.placement.gradients_complete()   # [Note: offloaded gradients] the step reads them next
 
     def _finish_reduce_in_backward(self) -> None:
         """Stage 1 + overlap_comm: parameters whose gradient came only in earlier micro-batches
@@ -330,16 +314,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
                 for group, grad in zip(self.groups, grads.tensors) for frag in group.layout.fragments(group.dp_rank)]
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
-        if self.offload is not None:
-            self.offload.step(grads, multiplier)
-            self._publish_params()
-            return
-        for group, grad in zip(self.groups, grads):
-            group.master.grad = grad if grad.dtype == group.master.dtype else grad.to(group.master.dtype)
-        scale_([g.master.grad for g in self.groups], multiplier)
-        step_in_chunks(self.optimizer)   # [Note: chunked optimizer step]
-        for group in self.groups:
-            group.master.grad = None
+        self.placement.step([g.master for g in self.groups], grads, multiplier)
         self._publish_params()
 
     def _publish_params(self) -> None:
@@ -380,10 +355,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def refresh_fp32_params(self) -> None:
         """The fp32 masters from the (just loaded) lp partitions, then every rank's flat buffer."""
         for index, group in enumerate(self.groups):
-            if self.offload is not None:
-                self.offload.load_master_partition(index, group.lp_partition.detach().to("cpu", _MASTER_DTYPE))
-            elif group.master.data_ptr() != group.lp_partition.data_ptr():
-                group.master.copy_(group.lp_partition)
+            self.placement.refresh_master(index, group.master, group.lp_partition)
         self._publish_params()
 
     @property
@@ -401,11 +373,11 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def offloadable_state_tensors(self) -> StateTensors:
         """Every tensor object holding each state, views included ([Note: storage relocation] in
         state_offload.py). No contiguous gradient buffer outlives a backward at these stages."""
-        host = self.offload is not None   # masters and optimizer state already live in OffloadStates
+        masters, optim_states = self.placement.held_state([g.master for g in self.groups])
         return {OffloadStateTypeEnum.lp_params: [t for g in self.groups for t in (g.lp_flat, g.lp_partition, *g.params)],
-                OffloadStateTypeEnum.hp_params: [] if host else [g.master for g in self.groups],
+                OffloadStateTypeEnum.hp_params: masters,
                 OffloadStateTypeEnum.lp_grads: [t for g in self.groups for t in (g.grads, g.partition_grad)],
-                OffloadStateTypeEnum.optim_states: [] if host else optimizer_state_tensors(self.optimizer),
+                OffloadStateTypeEnum.optim_states: optim_states,
                 OffloadStateTypeEnum.contiguous_grad_buffer: []}
 
     def memory_breakdown(self) -> dict[str, int]:
@@ -414,12 +386,8 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         breakdown = {
             "lp_params": tensor_bytes(g.lp_flat for g in self.groups),
             "grads": tensor_bytes([t for g in self.groups for t in (g.grads, g.partition_grad)]),
-            "master_params": tensor_bytes(masters),
-            "optimizer_states": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+            **self.placement.state_bytes(masters),
         }
-        if self.offload is not None:
-            offloaded = self.offload.memory_breakdown()
-            breakdown.update(master_params=offloaded["master_params"], optimizer_states=offloaded["optimizer_states"])
         breakdown["total"] = sum(breakdown.values())
         return breakdown
 

@@ -22,7 +22,7 @@ from zerospeed.checkpoint.full_state_import import cloned, flat_offsets, require
 from zerospeed.checkpoint.layout import model_states_name, optim_states_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.zero.offload.offload_states import OffloadStates
+from zerospeed.runtime.zero.offload.group_placement import GroupPlacement
 from zerospeed.version import __version__
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class Zero12Checkpointing:
     dp_world_size: int
     groups: list[Any]                             # the wrapper's _FlatGroup per param group
     settings: Any                                 # its _ZeroSettings
-    offload: OffloadStates | None
+    placement: GroupPlacement                     # offload/group_placement.py
     trainable_param_groups: Callable[[], list[list[torch.nn.Parameter]]]   # the wrapper's methods this mixin calls
     _publish_params: Callable[[], None]
 
@@ -106,8 +106,7 @@ class Zero12Checkpointing:
             "dynamic_loss_scale": self.loss_scaler.dynamic,
             "overflow": self.overflow,
             "clip_grad": self.clip_grad,
-            "base_optimizer_state": self.offload.optimizer_state_dict() if self.offload is not None
-            else self.optimizer.state_dict(),
+            "base_optimizer_state": self.placement.optimizer_state_dict(),
             "single_partition_of_fp32_groups": [
                 self._fp32_partition(i).narrow(0, 0, g.layout.partition_numel - g.padding).detach().clone()
                 for i, g in enumerate(self.groups)],
@@ -120,9 +119,7 @@ class Zero12Checkpointing:
         }
 
     def _fp32_partition(self, index: int) -> torch.Tensor:
-        if self.offload is not None:
-            return self.offload.master_partition(index)
-        return self.groups[index].master
+        return self.placement.master_partition(index, self.groups[index].master)
 
     def _slice_mappings(self, group: Any) -> dict[str, dict[str, int]]:
         return {group.names[f.param_index]: {"numel": f.numel, "start": f.partition_start}
@@ -134,22 +131,10 @@ class Zero12Checkpointing:
         self.overflow = bool(state_dict["overflow"])
         self.clip_grad = float(state_dict.get("clip_grad", self.clip_grad))
         if load_optimizer_states:
-            if self.offload is not None:
-                self.offload.load_optimizer_state_dict(state_dict["base_optimizer_state"])
-            else:
-                self.optimizer.load_state_dict(state_dict["base_optimizer_state"])
+            self.placement.load_optimizer_state_dict(state_dict["base_optimizer_state"])
         for index, (group, saved) in enumerate(zip(self.groups, state_dict["single_partition_of_fp32_groups"])):
-            if self.offload is not None:
-                full = group.lp_partition.detach().to("cpu", torch.float32)   # the fp32 masters
-                if self.settings.load_from_fp32_weights:
-                    full = torch.zeros_like(full)
-                    full.narrow(0, 0, saved.numel()).copy_(saved)
-                self.offload.load_master_partition(index, full)
-            elif self.settings.load_from_fp32_weights:
-                group.master.narrow(0, 0, saved.numel()).copy_(saved)
-                group.master.narrow(0, saved.numel(), group.master.numel() - saved.numel()).zero_()
-            elif group.master.data_ptr() != group.lp_partition.data_ptr():
-                group.master.copy_(group.lp_partition)
+            self.placement.load_master(index, group.master, group.lp_partition, saved,
+                                       self.settings.load_from_fp32_weights)
         self._publish_params()
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
