@@ -85,7 +85,11 @@ def to_plain_deepspeed(obj: Any) -> Any:
     return obj
 
 
-class _DeepSpeedNamesPickler(pickle._Pickler):  # type: ignore[name-defined]
+# The pure-Python pickler: private, so typeshed does not describe it.
+_PurePythonPickler: Any = getattr(pickle, "_Pickler")  # noqa: B009
+
+
+class _DeepSpeedNamesPickler(_PurePythonPickler):
     """The pure-Python pickler (the C one cannot be overridden per class) writing DeepSpeed's
     module path for the stand-ins, without importing it."""
 

@@ -103,8 +103,8 @@ class _ZeroSettings:
 
     @classmethod
     def from_config(cls, zero_config: Any) -> _ZeroSettings:
-        values = {field.name: getattr(zero_config, field.name, field.default)
-                  for field in dataclasses.fields(cls)}
+        values: dict[str, Any] = {field.name: getattr(zero_config, field.name, field.default)
+                                  for field in dataclasses.fields(cls)}
         values["overlap_comm"] = bool(values["overlap_comm"])   # None (unset) means off below stage 3
         return cls(**values)
 
