@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,23 @@ __all__ = ["EngineCheckpointing"]
 
 class EngineCheckpointing:
     """Mixin of DeepSpeedEngine: checkpoint save and load in DeepSpeed's layout."""
+
+    # What this mixin reads of its host (DeepSpeedEngine sets each one; declared so mypy checks the uses).
+    module: torch.nn.Module
+    optimizer: Any
+    _training_optimizer: Any
+    lr_scheduler: Any
+    param_names: dict[torch.nn.Parameter, str]
+    dp_group: Any
+    seq_dp_world_size: int
+    num_experts: list[int]
+    _config: Any
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    load_universal_checkpoint: Callable[[], bool]
+    train_batch_size: Callable[[], int]
+    bfloat16_enabled: Callable[[], bool]
 
     # --- save -------------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] = {},  # noqa: B006
