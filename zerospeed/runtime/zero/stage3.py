@@ -37,6 +37,7 @@ from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, 
 from zerospeed.runtime.chunked_step import step_in_chunks
 from zerospeed.runtime.config_sections import AioConfig
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.grad_space import GradSpace, Piece
 from zerospeed.runtime.grad_utils import scale_
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.muon.attach import attach_zero3
@@ -60,8 +61,9 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
-                 offload: OffloadStates | None = None, aio_config: Any = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision)
+                 offload: OffloadStates | None = None, aio_config: Any = None,
+                 grad_space: GradSpace | None = None) -> None:
+        self._init_base(init_optimizer, loss_scaler, precision, grad_space or GradSpace.data_parallel(dp_group, True))
         self.offload = offload
         self.aio_config = aio_config if aio_config is not None else (offload.aio_config if offload else AioConfig())
         # [Note: offloaded gradients at stage 3] in stage3_gradients.py
@@ -219,15 +221,15 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.parameter_offload.partition_all_parameters()
         return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
 
-    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
-        # Each parameter's real partition elements, padding left out ([Note: tensor-parallel norm]);
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[Piece]:
+        # Each parameter's real partition elements, padding left out ([Note: gradient space] in grad_space.py);
         # the dp sum of these pieces is the tp rank's whole gradient.
         pieces = []
         for params, grad in zip(self.fp16_groups, grads.tensors):
             offset = 0
             for param in params:
                 real = param.zs_state.real_partition_numel
-                pieces.append((grad.narrow(0, offset, real), bool(getattr(param, "tensor_model_parallel", False))))
+                pieces.append((grad.narrow(0, offset, real), self.grad_space.part_of(param)))
                 offset += param.partition_numel()
         return pieces
 
