@@ -26,7 +26,7 @@ tests/runtime/test_optimizer_contract.py runs every wrapper through this contrac
 [Note: one step]
 `step()` is written once, here, for every stage; a stage supplies two things: its gradients
 at the step (`_step_gradients`: whatever is still unreduced is reduced first; this rank's
-tensors, and the group over which they are partitioned, if they are), and the update
+tensors), and the update
 (`_apply_update`: base optimizer on the masters, parameters made visible to the module). The
 skeleton: overflow check -> loss-scaler update -> global norm -> unscale-and-clip multiplier (one
 formula, `unscale_and_clip_factor`) -> update. Which ranks the flag and the norm's squares are
@@ -64,21 +64,14 @@ NOT_PARTITIONED = ("consolidated_16bit_state_dict is only applicable where weigh
 
 @dataclasses.dataclass
 class StepGradients:
-    """This rank's gradients at the step ([Note: one step]).
-
-    `group` is the data-parallel group when each rank holds a disjoint part of the gradient vector
-    (ZeRO 1-3); None when every rank holds the whole, already averaged vector (stage 0).
+    """This rank's gradients at the step ([Note: one step]): the whole averaged vector at stage 0,
+    this rank's partition at ZeRO 1-3 (which ranks hold the rest is the gradient space's to say).
     `comm_device` is where the flag and the squares are reduced when the gradients sit in host
     memory.
     """
 
     tensors: list[torch.Tensor]
-    group: Any = None
     comm_device: torch.device | None = None
-
-    @property
-    def partitioned(self) -> bool:
-        return self.group is not None
 
 
 class DeepSpeedOptimizer(OptimizerCheckpointing):

@@ -219,7 +219,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def _step_gradients(self) -> StepGradients:
         self.gradients.finish()
         self.parameter_offload.partition_all_parameters()
-        return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
+        return StepGradients(self.grad_flat, self._comm_device)
 
     def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[Piece]:
         # Each parameter's real partition elements, padding left out ([Note: gradient space] in grad_space.py);

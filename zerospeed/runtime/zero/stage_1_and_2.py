@@ -323,7 +323,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def _step_gradients(self) -> StepGradients:
         if self._unreduced:
             self.backward_epilogue(is_boundary=True)
-        return StepGradients([g.partition_grad for g in self.groups], self.dp_process_group, self._comm_device)
+        return StepGradients([g.partition_grad for g in self.groups], self._comm_device)
 
     def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[Piece]:
         # The partition's parameter fragments, padding left out ([Note: gradient space] in grad_space.py).
