@@ -1,7 +1,10 @@
-"""Print the fp32 losses of the benchmark GPT at ZeRO stages 0-3 (2 gloo ranks, fixed seeds).
+"""Print the fp32 losses of the benchmark GPT at ZeRO stages 0-3 (2 gloo ranks, fixed seeds), then
+the losses and global gradient norms of short pipeline (2 stages, tied weights), MoE (ep 2), Ulysses
+(sp 2) and AutoTP (tp 2) runs, each with clipping off and on.
 
 A refactor that must not change numerics runs this before and after and diffs the output; the
-losses print as float.hex so "bit for bit" is a plain text comparison.
+numbers print as float.hex so "bit for bit" is a plain text comparison. The dense lines come first
+and are unchanged by the parallel cases: `--dense-only` prints just them.
 
     PYTHONPATH=$PWD python benchmarks/loss_fingerprint.py > before.txt
 """
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fingerprint_parallel import PARALLEL_RUNS
 from harness import finish_rank, spawn_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,10 +63,18 @@ def _worker(rank: int, init_file: str, results: Any) -> None:
     finish_rank(results, (rank, lines))
 
 
-def main() -> None:
-    out = dict(spawn_ranks(_worker, WORLD_SIZE, label="fp32 losses", num_results=WORLD_SIZE, timeout_s=600.0))
+def _print_run(worker: Any, label: str) -> None:
+    out = dict(spawn_ranks(worker, WORLD_SIZE, label=label, num_results=WORLD_SIZE, timeout_s=600.0))
     for rank in sorted(out):
-        print("\n".join(out[rank]))
+        print("\n".join(out[rank]), flush=True)
+
+
+def main() -> None:
+    _print_run(_worker, "fp32 losses")
+    if "--dense-only" in sys.argv[1:]:
+        return
+    for label, worker in PARALLEL_RUNS:
+        _print_run(worker, label)
 
 
 if __name__ == "__main__":

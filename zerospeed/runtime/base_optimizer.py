@@ -26,10 +26,12 @@ tests/runtime/test_optimizer_contract.py runs every wrapper through this contrac
 [Note: one step]
 `step()` is written once, here, for every stage; a stage supplies two things: its gradients
 at the step (`_step_gradients`: whatever is still unreduced is reduced first; this rank's
-tensors, and the group over which they are partitioned, if they are), and the update
+tensors), and the update
 (`_apply_update`: base optimizer on the masters, parameters made visible to the module). The
-skeleton: overflow check (over the group when partitioned) -> loss-scaler update -> global norm
--> unscale-and-clip multiplier -> update.
+skeleton: overflow check -> loss-scaler update -> global norm -> unscale-and-clip multiplier (one
+formula, `unscale_and_clip_factor`) -> update. Which ranks the flag and the norm's squares are
+combined over is asked of the wrapper's `grad_space`, built once by the factory ([Note: gradient
+space] in grad_space.py): ZeRO partitions, expert parts, tp-split elements, pipeline stages.
 
 Two rules hold for every stage:
 - Gradients are unscaled, and the reported norm divided, by the scale they were multiplied by:
@@ -44,14 +46,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zerospeed import comm
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.grad_utils import any_non_finite, global_norm, unscale_and_clip_factor
+from zerospeed.runtime.grad_space import DENSE, GradSpace, Piece
+from zerospeed.runtime.grad_utils import unscale_and_clip_factor
 from zerospeed.checkpoint.contract import OptimizerCheckpointing
 from zerospeed.runtime.precision import PrecisionSettings
 
@@ -63,21 +64,14 @@ NOT_PARTITIONED = ("consolidated_16bit_state_dict is only applicable where weigh
 
 @dataclasses.dataclass
 class StepGradients:
-    """This rank's gradients at the step ([Note: one step]).
-
-    `group` is the data-parallel group when each rank holds a disjoint part of the gradient vector
-    (ZeRO 1-3: the overflow flag and the squared norm are reduced over it); None when every rank
-    holds the whole, already averaged vector (stage 0: no collective). `comm_device` is where
-    those scalars are reduced when the gradients sit in host memory.
+    """This rank's gradients at the step ([Note: one step]): the whole averaged vector at stage 0,
+    this rank's partition at ZeRO 1-3 (which ranks hold the rest is the gradient space's to say).
+    `comm_device` is where the flag and the squares are reduced when the gradients sit in host
+    memory.
     """
 
     tensors: list[torch.Tensor]
-    group: Any = None
     comm_device: torch.device | None = None
-
-    @property
-    def partitioned(self) -> bool:
-        return self.group is not None
 
 
 class DeepSpeedOptimizer(OptimizerCheckpointing):
@@ -89,23 +83,18 @@ class DeepSpeedOptimizer(OptimizerCheckpointing):
     clip_grad: float
     overflow: bool
     _global_grad_norm: float
-    tp_group: Any = None
-    """The tensor-parallel group under AutoTP (set by the engine): the overflow flag is agreed and the
-    norm summed over it ([Note: tensor-parallel norm] in tensor_parallel/grad_norm.py)."""
-    global_norm_fn: Callable[[StepGradients], float] | None = None
-    """Set by an engine whose norm spans more than this wrapper's gradients (the pipeline engine:
-    every stage, [Note: pipeline gradient norm]): called at the step in place of the wrapper's own
-    norm, with the same gradients the update then uses; returns the still-scaled global norm."""
+    grad_space: GradSpace
+    """Which ranks hold which parts of the step's gradients ([Note: gradient space])."""
 
     def _init_base(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler,
-                   precision: PrecisionSettings) -> None:
+                   precision: PrecisionSettings, grad_space: GradSpace) -> None:
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
         self.precision = precision
+        self.grad_space = grad_space
         self.clip_grad = float(precision.clip_grad)
         self.overflow = False
         self._global_grad_norm = 0.0   # DeepSpeed's optimizers start from 0.0 too
-        self.model_parallel_group: Any = None
 
     # --- what the scheduler and users see ---------------------------------------------------
     @property
@@ -148,49 +137,24 @@ class DeepSpeedOptimizer(OptimizerCheckpointing):
         """At the accumulation boundary: [Note: one step]."""
         grads = self._step_gradients()
         scale = self.loss_scaler.cur_scale    # what the gradients carry; update_scale may change it
-        self.overflow = self.precision.check_overflow and self._overflow_anywhere(grads)
-        if self.tp_group is not None and self.precision.check_overflow:
-            from zerospeed.runtime.tensor_parallel.grad_norm import any_across
-
-            self.overflow = any_across(self.overflow, self.tp_group, grads.comm_device)
+        self.overflow = self.precision.check_overflow and self.grad_space.overflow(grads.tensors, grads.comm_device)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad()
             return
-        norm_fn = self.global_norm_fn if self.global_norm_fn is not None else self._scaled_global_norm
-        scaled_norm = norm_fn(grads)
+        scaled_norm = self.grad_space.scaled_norm(self._norm_pieces(grads), grads.comm_device)
         self._global_grad_norm = scaled_norm / scale
         self._apply_update(grads.tensors, 1.0 / unscale_and_clip_factor(scaled_norm, scale, self.clip_grad))
 
-    def _has_overflow(self, grads: StepGradients) -> bool:
-        """Whether any rank's gradients hold inf or nan (reduced over the group when partitioned)."""
-        return any_non_finite(grads.tensors, group=grads.group, reduce=grads.partitioned,
-                              comm_device=grads.comm_device)
+    def _norm_pieces(self, grads: StepGradients) -> list[Piece]:
+        """This rank's gradient elements, each tagged with its part of the gradient space: the whole
+        tensors as one part, or, where the space splits tp parameters, their real elements by part."""
+        if self.grad_space.splits_tensor_parallel:
+            return self._tensor_parallel_norm_pieces(grads)
+        return [(tensor, DENSE) for tensor in grads.tensors]
 
-    def _overflow_anywhere(self, grads: StepGradients) -> bool:
-        """`_has_overflow`, then also over `model_parallel_group` when one is set: the ranks holding
-        other parts of the model (pipeline stages) must skip the same steps, or their loss scales
-        and weights drift apart (DeepSpeed's CheckOverflow reduces over the model-parallel group)."""
-        local = self._has_overflow(grads)
-        if self.model_parallel_group is None or not comm.is_initialized():
-            return local
-        device = grads.comm_device or (grads.tensors[0].device if grads.tensors else torch.device("cpu"))
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.model_parallel_group)
-        return bool(flag.item() > 0)
-
-    def _scaled_global_norm(self, grads: StepGradients) -> float:
-        """The L2 norm of the whole (still loss-scaled) gradient vector, the same on every rank."""
-        if self.tp_group is not None:
-            from zerospeed.runtime.tensor_parallel.grad_norm import tensor_parallel_norm
-
-            return tensor_parallel_norm(self._tensor_parallel_norm_pieces(grads), self.tp_group, grads.group,
-                                        grads.comm_device)
-        return global_norm(grads.tensors, group=grads.group, partitioned=grads.partitioned,
-                           comm_device=grads.comm_device)
-
-    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
-        """This rank's gradient elements, each marked split or replicated (stages 0-2 answer)."""
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[Piece]:
+        """This rank's real gradient elements (no padding), by part (stages 1-3 answer)."""
         raise NotImplementedError(f"{type(self).__name__} does not support tensor parallelism (AutoTP)")
 
     @abc.abstractmethod

@@ -19,8 +19,9 @@ import torch
 from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
                                               tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
-from zerospeed.runtime.expert_gradients import GroupedAllReduce, expert_norm_groups, grouped_norm
-from zerospeed.runtime.grad_utils import any_non_finite, scale_
+from zerospeed.runtime.expert_gradients import GroupedAllReduce
+from zerospeed.runtime.grad_space import GradSpace, Piece
+from zerospeed.runtime.grad_utils import scale_
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint import moe_reshard
 from zerospeed.checkpoint.contract import CheckpointLayout, ReplicatedState
@@ -42,18 +43,19 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
     """ZeRO stage 0 (plain data parallelism) for fp32, fp16 and bf16."""
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, precision: PrecisionSettings,
-                 loss_scaler: LossScaler, dp_group: Any, reduce_bucket_size: int) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision)
+                 loss_scaler: LossScaler, dp_group: Any, reduce_bucket_size: int,
+                 grad_space: GradSpace | None = None) -> None:
+        self._lp_params = trainable_params(init_optimizer)
+        self._init_base(init_optimizer, loss_scaler, precision,
+                        grad_space or GradSpace.data_parallel(dp_group, False, self._lp_params))
         self.dp_group = dp_group
         self.reduce_bucket_size = int(reduce_bucket_size)
-        self._lp_params = trainable_params(init_optimizer)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         attach_stage0(init_optimizer, dp_group)   # Muon's matrix owners; nothing for other optimizers
         # Read by every gradient hook call; fixed here, as the settings are (a frozen dataclass).
         self._separate_accumulation = precision.grad_accum_dtype != precision.param_dtype
         self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
         self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
-        self._has_experts = self._reducer.has_experts
         self._reduce_in_backward = False
         self._hook_handles = [param.register_post_accumulate_grad_hook(self._grad_hook(index))
                               for index, param in enumerate(self._lp_params)]
@@ -143,19 +145,9 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
     def _step_gradients(self) -> StepGradients:
         return StepGradients(self._gradients())
 
-    def _has_overflow(self, grads: StepGradients) -> bool:
-        # Gradients are already all-reduced, so every rank sees the same overflow: no collective,
-        # unless expert gradients (which differ between expert-parallel ranks) are among them.
-        return any_non_finite(grads.tensors, group=self.dp_group, reduce=self._has_experts)
-
-    def _scaled_global_norm(self, grads: StepGradients) -> float:
-        if self.tp_group is not None:
-            return super()._scaled_global_norm(grads)
-        return grouped_norm(expert_norm_groups(self._lp_params, grads.tensors))
-
-    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
-        return [(grad, bool(getattr(param, "tensor_model_parallel", False)))
-                for param, grad in zip(self._lp_params, grads.tensors)]
+    def _norm_pieces(self, grads: StepGradients) -> list[Piece]:
+        # Whole gradients, each in its parameter's part (expert group, tp-split or not).
+        return [(grad, self.grad_space.part_of(param)) for param, grad in zip(self._lp_params, grads.tensors)]
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
         for master, grad in zip(self._masters, grads):

@@ -92,7 +92,6 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
         else:   # [Note: engine without an optimizer]
             self.optimizer = build_parameter_offload(self._config, self.precision, self.dp_group,
                                                      self.param_names, self.module)
-        self._attach_tensor_parallel()
         self._init_monitoring()
 
     # --- setup ------------------------------------------------------------------------------------
@@ -181,8 +180,9 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
                                                     else self.module.parameters())
         self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
                                                          model_parameters)
+        tp_group = None if self.tensor_parallel is None else self.tensor_parallel.tp_group
         self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,
-                                                 self.dp_group, self.param_names, self.module)
+                                                 self.dp_group, self.param_names, self.module, tp_group)
 
     def _init_monitoring(self) -> None:
         from zerospeed.runtime.engine_monitoring import EngineMonitoring

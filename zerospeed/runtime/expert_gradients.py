@@ -15,12 +15,12 @@ group, average with the data-parallel world size).
 The global gradient norm counts every distinct parameter once. Ordinary gradients are the same on
 every rank (stage 0), expert gradients differ between the ranks of an expert-parallel group and
 repeat across its expert-data-parallel group: so the squares of the expert gradients are summed
-over the expert-parallel group (one copy of each expert), those of the rest stay local.
+over the expert-parallel group (one copy of each expert), those of the rest stay local. The
+gradient space declares those groups ([Note: gradient space] in grad_space.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,11 +28,10 @@ import torch
 
 from zerospeed import comm
 from zerospeed.moe.experts import expert_group_name as _expert_group_of
-from zerospeed.runtime.grad_utils import sum_of_squares
 from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
 from zerospeed.runtime.precision import PrecisionSettings
 
-__all__ = ["GroupedAllReduce", "expert_group_name", "expert_norm_groups", "grouped_norm", "reduction_plan"]
+__all__ = ["GroupedAllReduce", "expert_group_name", "expert_parallel_groups", "reduction_plan"]
 
 DENSE = ""  # reduction key of ordinary parameters
 
@@ -94,26 +93,10 @@ class GroupedAllReduce:
             reducer.finish(self._local(reducer_index, grad_of))
 
 
-def expert_norm_groups(params: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Any]]:
-    """[(gradients, group their squares are summed over)] for the norm ([Note: norm with experts]):
-    ordinary gradients with group None (local), each expert group's with its expert-parallel group."""
-    parts = []
-    for key, indices in reduction_plan(params).items():
-        group = None
-        if key != DENSE:
-            from zerospeed.utils import groups
+def expert_parallel_groups(params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Expert group name -> its expert-parallel group, for every expert group among `params`: the
+    ranks whose squares of that group's gradients add up to one copy of each expert ([Note: norm
+    with experts]; grad_space.py declares them)."""
+    from zerospeed.utils import groups
 
-            group = groups._get_expert_parallel_group(key)
-        parts.append(([grads[i] for i in indices], group))
-    return parts
-
-
-def grouped_norm(parts: list[tuple[list[torch.Tensor], Any]]) -> float:
-    """sqrt of the sum over parts of their squares, each part's sum reduced over its group (None: local)."""
-    total = 0.0
-    for tensors, group in parts:
-        squares = sum_of_squares(tensors).reshape(1)
-        if group is not None and comm.get_world_size(group) > 1:
-            comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=group)
-        total += float(squares.item())
-    return math.sqrt(total)
+    return {key: groups._get_expert_parallel_group(key) for key in reduction_plan(params) if key != DENSE}

@@ -1,33 +1,35 @@
-"""Gradient arithmetic every optimizer wrapper shares: overflow check, global norm, unscale + clip.
+"""Gradient arithmetic every optimizer wrapper shares: overflow check, squared norm, unscale + clip.
 
-The norm is accumulated in float64 as DeepSpeed does (over float32 runs of 1024 elements,
-[Note: chunked float64 norm]), so fp32 runs reproduce torch's `clip_grad_norm_` within rounding.
-For partitioned gradients pass the data-parallel `group`: the squares are summed over ranks
-before the square root. Replicated gradients pass `group=None`.
-Gradients in host memory (optimizer offload) pass `comm_device`, the device the communication
-backend works on: only the per-rank scalar moves there (NCCL cannot reduce a host tensor). The
-tensors may sit on different devices (stage 3 with `offload_optimizer.ratio < 1`): each one's
-scalar joins the first one's device, in order, so the float64 sum adds in the same order.
+Which ranks' flags and squares are combined is the step's gradient space's to say ([Note:
+gradient space] in grad_space.py); these are the local pieces. Squares are accumulated in float64
+as DeepSpeed does (over float32 runs of 1024 elements, [Note: chunked float64 norm]), so fp32 runs
+reproduce torch's `clip_grad_norm_` within rounding. Gradients in host memory (optimizer offload)
+pass `comm_device`, the device the communication backend works on: only the per-rank scalar moves
+there (NCCL cannot reduce a host tensor). The tensors may sit on different devices (stage 3 with
+`offload_optimizer.ratio < 1`): each one's scalar joins the first one's device, in order, so the
+float64 sum adds in the same order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from zerospeed import comm
 
+__all__ = ["any_non_finite", "scale_", "sum_of_squares", "unscale_and_clip_factor"]
+
 _CLIP_EPS = 1e-6
 _NORM_CHUNK = 1024
 _DIRECT_FLOAT64_NUMEL = 64 * _NORM_CHUNK
 
 
-def any_non_finite(tensors: Iterable[torch.Tensor], group: Any = None, reduce: bool = True,
+def any_non_finite(tensors: Iterable[torch.Tensor], groups: Sequence[Any] = (),
                    comm_device: torch.device | None = None) -> bool:
-    """True when any tensor here (or, with `reduce`, on any rank of `group`) holds inf or nan.
+    """True when any tensor here, or on any rank of `groups` (OR-ed over each in turn), holds inf or nan.
 
     [Note: overflow check by sums] An inf or nan element makes its tensor's float32 sum inf or
     nan, so finite sums everywhere prove there is none: one reading pass, no boolean tensor the
@@ -37,19 +39,20 @@ def any_non_finite(tensors: Iterable[torch.Tensor], group: Any = None, reduce: b
     branch since the flag is reduced first: exact, as DeepSpeed's sum-only check is not."""
     tensors = list(tensors)
     sums = [t.sum(dtype=torch.float32) for t in tensors]
-    if not _flag(sums, group, reduce, comm_device):
+    if not _flag(sums, groups, comm_device):
         return False
-    return _flag(tensors, group, reduce, comm_device)
+    return _flag(tensors, groups, comm_device)
 
 
-def _flag(tensors: list[torch.Tensor], group: Any, reduce: bool, comm_device: torch.device | None) -> bool:
-    """Whether any element of `tensors` (on any rank, with `reduce`) is inf or nan."""
+def _flag(tensors: list[torch.Tensor], groups: Sequence[Any], comm_device: torch.device | None) -> bool:
+    """Whether any element of `tensors` (on any rank of `groups`) is inf or nan."""
     flags = [(~torch.isfinite(t)).any() for t in tensors]
     flags = [flag.to(flags[0].device) for flag in flags]
     local = torch.stack(flags).any().to(torch.float32) if flags else torch.zeros(())
     local = local.reshape(1) if comm_device is None else local.reshape(1).to(comm_device)
-    if reduce and comm.is_initialized():
-        comm.all_reduce(local, op=comm.ReduceOp.MAX, group=group)
+    if comm.is_initialized():
+        for group in groups:   # after the first, each rank's flag is its group's: the OR spreads
+            comm.all_reduce(local, op=comm.ReduceOp.MAX, group=group)
     return bool(local.item() > 0)
 
 
@@ -81,25 +84,16 @@ def _squares(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def global_norm(tensors: Iterable[torch.Tensor], group: Any = None, partitioned: bool = False,
-                comm_device: torch.device | None = None) -> float:
-    """L2 norm over all elements; with `partitioned`, each rank holds a disjoint part of the vector."""
-    squares = sum_of_squares(tensors).reshape(1)
-    if comm_device is not None:
-        squares = squares.to(comm_device)
-    if partitioned and comm.is_initialized():
-        comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=group)
-    return math.sqrt(float(squares.item()))
-
-
 def unscale_and_clip_factor(scaled_norm: float, loss_scale: float, clip_grad: float) -> float:
     """The number every gradient is divided by: the loss scale, times the clip ratio when clipping.
 
     `scaled_norm` is the norm of the still-scaled gradients; DeepSpeed's formula
     (`deepspeed/runtime/zero/stage_1_and_2.py::DeepSpeedZeroOptimizer.unscale_and_clip_grads`).
+    A non-finite norm (a step whose overflow check is off) does not clip: a ratio of inf would
+    turn every gradient into 0 or nan.
     """
     combined = loss_scale
-    if clip_grad > 0:
+    if clip_grad > 0 and math.isfinite(scaled_norm):
         clip = ((scaled_norm / loss_scale) + _CLIP_EPS) / clip_grad
         if clip > 1:
             combined = clip * loss_scale

@@ -8,6 +8,7 @@ answers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer
 from zerospeed.runtime.fp16.loss_scaler import LossScaler, create_loss_scaler
+from zerospeed.runtime.grad_space import GradSpace, PipelineStages
 from zerospeed.runtime.precision import PrecisionSettings
 
 # DeepSpeed's own optimizer names (matched case-insensitively); anything else is a torch.optim name.
@@ -144,18 +146,37 @@ def check_zero_supported(basic: torch.optim.Optimizer, config: Any) -> None:
                          '<"zero_allow_untested_optimizer": true> in the configuration file to use it.')
 
 
+def build_grad_space(stage: int, dp_group: Any, params: list[Any], module: torch.nn.Module,
+                     tp_group: Any = None) -> GradSpace:
+    """The step's gradient space, once, from the run's groups ([Note: gradient space] in
+    grad_space.py): ZeRO 1-3 partitions over `dp_group`, stage 0's expert parts over their ep
+    groups, AutoTP's split elements over `tp_group` (None without AutoTP), and a pipeline's stages
+    and tied copies from its module."""
+    from zerospeed.runtime.pipe.module import PipelineModule
+
+    pipeline = None
+    if isinstance(module, PipelineModule):
+        grid, tied = module.mpu(), module.tied_comms
+        pipeline = PipelineStages(grid.get_pipe_parallel_group(), grid.get_model_parallel_group(),
+                                  lambda: tied.duplicate_sq_norm(dp_group))
+    base = GradSpace.data_parallel(dp_group, stage > 0, params)
+    return dataclasses.replace(base, tp_group=tp_group, pipeline=pipeline)
+
+
 def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision: PrecisionSettings,
                             dp_group: Any, param_names: dict[torch.nn.Parameter, str],
-                            module: torch.nn.Module) -> DeepSpeedOptimizer:
+                            module: torch.nn.Module, tp_group: Any = None) -> DeepSpeedOptimizer:
     """The one place the ZeRO stage is branched on."""
     check_zero_supported(basic, config)
     stage = config.zero_optimization_stage
     loss_scaler = build_loss_scaler(config, precision)
     zero_config = config.zero_config
+    params = [p for group in basic.param_groups for p in group["params"] if p.requires_grad]
+    space = build_grad_space(stage, dp_group, params, module, tp_group)
     if stage == 0:
         from zerospeed.runtime.data_parallel import DataParallelOptimizer
 
-        return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size)
+        return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size, space)
     from zerospeed.runtime.zero.offload.offload_states import build_offload_states
 
     offload = build_offload_states(basic, config, dp_group, module, precision.param_dtype)  # checks host RAM
@@ -163,11 +184,13 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
         from zerospeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
         return DeepSpeedZeroOptimizer(basic, zero_config, precision, loss_scaler, dp_group,
-                                      partition_grads=stage == 2, param_names=param_names, offload=offload)
+                                      partition_grads=stage == 2, param_names=param_names, offload=offload,
+                                      grad_space=space)
     from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,
-                                         param_names=param_names, offload=offload, aio_config=config.aio_config)
+                                         param_names=param_names, offload=offload, aio_config=config.aio_config,
+                                         grad_space=space)
 
 
 def build_parameter_offload(config: Any, precision: PrecisionSettings, dp_group: Any,

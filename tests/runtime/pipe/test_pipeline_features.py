@@ -181,7 +181,7 @@ def test_progress_line_and_monitor_events(tmp_path):
 
 def _count_step_calls(zero_stage):
     engine, _ = _engine(mlp_specs(2), 2, mse, {"zero_optimization": {"stage": zero_stage}, "gradient_clipping": 1.0})
-    wrapper, calls = engine.optimizer, {"_step_gradients": 0, "_scaled_global_norm": 0}
+    wrapper, calls = engine.optimizer, {"_step_gradients": 0, "_norm_pieces": 0}
     for name in calls:
         original = getattr(wrapper, name)
 
@@ -199,8 +199,8 @@ def _count_step_calls(zero_stage):
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_one_gradient_gather_and_one_norm_per_step(zero_stage):
-    """The pipeline-wide norm replaces the wrapper's own (its `global_norm_fn`): per step the wrapper
-    gathers its gradients once and never computes a norm of its own, and both report the same norm."""
+    """The pipeline-wide norm is the wrapper's own, over its gradient space's stages: per step the
+    wrapper gathers its gradients once and computes one norm, and both report the same norm."""
     for calls, engine_norm, wrapper_norm in run_on_ranks(_count_step_calls, 2, zero_stage):
-        assert calls == {"_step_gradients": 2, "_scaled_global_norm": 0}
+        assert calls == {"_step_gradients": 2, "_norm_pieces": 2}
         assert engine_norm == wrapper_norm > 0

@@ -7,13 +7,13 @@ builds this stage's schedule (schedule.py, schedule_lowering.py) and hands it to
 
 Differences from DeepSpeed: ZeRO-2 works with pipelining (DeepSpeed refuses it); GPipe and
 interleaved 1F1B are selectable (`pipeline.schedule`); activation shapes may change every batch;
-the global gradient norm (and so clipping) covers every stage with tied weights counted once
-([Note: pipeline gradient norm]).
+the global gradient norm (and so clipping) covers every stage with tied weights counted once: the
+optimizer's gradient space has the pipeline's part ([Note: gradient space] in grad_space.py), and
+every stage skips the same fp16 overflow steps, keeping one loss scale.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -21,9 +21,7 @@ from typing import Any, cast
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.base_optimizer import StepGradients
 from zerospeed.runtime.engine import DeepSpeedEngine
-from zerospeed.runtime.grad_utils import scale_, sum_of_squares
 from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
 from zerospeed.runtime.pipe.executor import StageExecutor
 from zerospeed.runtime.pipe.instructions import PipeInstruction
@@ -31,7 +29,6 @@ from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
 from zerospeed.runtime.pipe.p2p import MessageSizes
 from zerospeed.runtime.pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from zerospeed.runtime.pipe.schedule_lowering import GPipeSchedule, Interleaved1F1BSchedule
-from zerospeed.runtime.pipe.stage_grads import stage_gradients
 from zerospeed.utils.logging import logger
 
 __all__ = ["PipelineEngine"]
@@ -53,12 +50,6 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.micro_batches = self.gradient_accumulation_steps()
         self.schedule_name = str(getattr(self._config.pipeline, "schedule", "1f1b")).lower()
         self._check_supported(model)
-        if self.optimizer is not None:
-            self._pipe_clip = float(self.optimizer.clip_grad)
-            self.optimizer.clip_grad = 0.0  # clipping is pipeline-wide, done by the norm below
-            self.optimizer.global_norm_fn = self._pipeline_scaled_norm
-            # fp16 (and bf16's check_grad_overflow): every stage skips the same steps ([Note: pipeline fp16]).
-            self.optimizer.model_parallel_group = self.grid.get_model_parallel_group()
         self._pipe_module.tied_comms.start_tracking()
         self.data_iterator: Iterator[Any] | None = None
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
@@ -174,35 +165,6 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         self.micro_steps += self.micro_batches
         self.gas_boundary_ctr += 1
         self._take_model_step(None)
-
-    def _pipeline_scaled_norm(self, step_grads: StepGradients) -> float:
-        """[Note: pipeline gradient norm] The wrapper's norm at its step (`global_norm_fn`): the norm
-        over every stage, clipping in place by it; the wrapper then unscales and steps.
-
-        It runs once per step, after the wrapper's overflow check and only when the step is
-        applied, so the wrapper's own norm pass is skipped and `get_global_grad_norm()` is the
-        pipeline's (the wrapper keeps the last applied one on a skipped step).
-
-        [Note: pipeline fp16] The gradients still carry the loss scale: the norm is divided by it and
-        the clip multiplier applies to the scaled values (the wrapper then unscales). The wrapper
-        decides overflow over its data-parallel group and then over the model-parallel group (all
-        stages), so every rank skips the same steps and keeps the same loss scale; a skipped step
-        leaves the last applied step's norm ([Note: one step] in base_optimizer.py)."""
-        grads = stage_gradients(step_grads)
-        scaled = self._pipeline_grad_norm(grads)
-        norm = scaled / float(self.optimizer.cur_scale)
-        if math.isfinite(norm) and self._pipe_clip > 0 and norm + 1e-6 > self._pipe_clip:
-            scale_(grads.tensors, self._pipe_clip / (norm + 1e-6))
-        return scaled
-
-    def _pipeline_grad_norm(self, grads: Any) -> float:
-        squares = sum_of_squares(grads.tensors).reshape(1).to(self.device)
-        if grads.group is not None:
-            comm.all_reduce(squares, group=grads.group)
-        squares -= self._pipe_module.tied_comms.duplicate_sq_norm(self.dp_group)
-        comm.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
-        total = float(squares.item())
-        return math.sqrt(max(total, 0.0)) if math.isfinite(total) else math.inf
 
     def _aggregate_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Mean over micro-batches and data-parallel pipelines, broadcast from the last stage."""

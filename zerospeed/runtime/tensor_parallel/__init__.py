@@ -2,8 +2,8 @@
 
 config.py (the ``tensor_parallel`` section), plan.py (which layer splits how, pure), layers.py
 (column / row parallel linears and their collectives), shard.py (applying the plan), setup.py
-(groups and sharding at ``initialize``), grad_norm.py (the exact norm), state_dict.py (full
-weights back). Guide: docs/tensor_parallel.md.
+(groups and sharding at ``initialize``), state_dict.py (full weights back). The exact norm is the
+tp part of the step's gradient space (runtime/grad_space.py). Guide: docs/tensor_parallel.md.
 """
 
 from zerospeed.runtime.tensor_parallel.config import TPConfig, TPTrainingConfig, get_tensor_parallel_config

@@ -49,13 +49,6 @@ class EngineTensorParallel:
             return {**raw_config, "train_batch_size": mbs * gas * dp_world_size}
         return raw_config
 
-    def _attach_tensor_parallel(self) -> None:
-        """After the optimizer exists: hand it the tp group."""
-        if self.tensor_parallel is None:
-            return
-        if self._training_optimizer is not None:   # type: ignore[attr-defined]
-            self.optimizer.tp_group = self.tensor_parallel.tp_group
-
     # --- DeepSpeed's accessors -------------------------------------------------------------------
     def autotp_size(self) -> int:
         return self._config.tensor_parallel_config.autotp_size

@@ -16,7 +16,7 @@ ZeRO-3 then partitions the already-cut model over the data-parallel group (the r
 tp rank, as DeepSpeed 0.19.8): each tp rank's pieces are its own parameters, partitioned and
 gathered among its dp peers only; replicated parameters are partitioned the same way in every tp
 group. The norm sums each parameter's real partition elements (stage3.py) as [Note:
-tensor-parallel norm] says. Full weights: each tp rank's pieces are gathered over dp onto dp rank
+gradient space] in runtime/grad_space.py says. Full weights: each tp rank's pieces are gathered over dp onto dp rank
 0, then the tp group of dp rank 0 (global ranks 0..tp-1) joins them (engine_api.py).
 """
 

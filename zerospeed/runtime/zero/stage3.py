@@ -34,6 +34,7 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.grad_space import GradSpace, Piece
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.muon.attach import attach_zero3
 from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
@@ -55,8 +56,9 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, zero_config: Any,
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
-                 offload: OffloadStates | None = None, aio_config: Any = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision)
+                 offload: OffloadStates | None = None, aio_config: Any = None,
+                 grad_space: GradSpace | None = None) -> None:
+        self._init_base(init_optimizer, loss_scaler, precision, grad_space or GradSpace.data_parallel(dp_group, True))
         self.offload = offload
         self.aio_config = resolve_aio_config(aio_config, offload)
         # Gradients may sit in host memory (optimizer offload, or `offload_param` alone, whose
@@ -145,17 +147,17 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
     def _step_gradients(self) -> StepGradients:
         self.gradients.finish()
         self.parameter_offload.partition_all_parameters()
-        return StepGradients(self.grad_flat, self.dp_group, self._comm_device)
+        return StepGradients(self.grad_flat, self._comm_device)
 
-    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
-        # Each parameter's real partition elements, padding left out ([Note: tensor-parallel norm]);
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[Piece]:
+        # Each parameter's real partition elements, padding left out ([Note: gradient space] in grad_space.py);
         # the dp sum of these pieces is the tp rank's whole gradient.
         pieces = []
         for params, grad in zip(self.fp16_groups, grads.tensors):
             offset = 0
             for param in params:
                 real = param.zs_state.real_partition_numel
-                pieces.append((grad.narrow(0, offset, real), bool(getattr(param, "tensor_model_parallel", False))))
+                pieces.append((grad.narrow(0, offset, real), self.grad_space.part_of(param)))
                 offset += param.partition_numel()
         return pieces
 

@@ -52,6 +52,7 @@ from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, 
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
+from zerospeed.runtime.grad_space import GradSpace, Piece
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
 from zerospeed.runtime.zero.muon.attach import attach_zero12
@@ -130,8 +131,9 @@ def _separate(tensor: torch.Tensor, other: torch.Tensor) -> bool:
 class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
-                 param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None) -> None:
-        self._init_base(init_optimizer, loss_scaler, precision)
+                 param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None,
+                 grad_space: GradSpace | None = None) -> None:
+        self._init_base(init_optimizer, loss_scaler, precision, grad_space or GradSpace.data_parallel(dp_group, True))
         self.offload = offload
         # where the masters, optimizer state and step gradients live, decided once (offload/group_placement.py)
         self.placement = build_group_placement(init_optimizer, zero_config, offload)
@@ -305,12 +307,12 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def _step_gradients(self) -> StepGradients:
         if self._unreduced:
             self.backward_epilogue(is_boundary=True)
-        return StepGradients([g.partition_grad for g in self.groups], self.dp_process_group, self._comm_device)
+        return StepGradients([g.partition_grad for g in self.groups], self._comm_device)
 
-    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[tuple[torch.Tensor, bool]]:
-        # The partition's parameter fragments, padding left out ([Note: tensor-parallel norm]).
+    def _tensor_parallel_norm_pieces(self, grads: StepGradients) -> list[Piece]:
+        # The partition's parameter fragments, padding left out ([Note: gradient space] in grad_space.py).
         return [(grad.narrow(0, frag.partition_start, frag.numel),
-                 bool(getattr(group.params[frag.param_index], "tensor_model_parallel", False)))
+                 self.grad_space.part_of(group.params[frag.param_index]))
                 for group, grad in zip(self.groups, grads.tensors) for frag in group.layout.fragments(group.dp_rank)]
 
     def _apply_update(self, grads: list[torch.Tensor], multiplier: float) -> None:
