@@ -14,6 +14,7 @@ import torch
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, ReplicatedOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
+from zerospeed.runtime.zero.muon.tp_matrices import matrix_step_for
 
 __all__ = ["attach_stage0", "attach_zero12", "attach_zero3", "check_muon_supported"]
 
@@ -32,7 +33,8 @@ def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
     for index, group in enumerate(optimizer.param_groups):
         if group["use_muon"]:
             shapes = [tuple(p.shape) for p in group["params"]]
-            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, dp_group))
+            matrices = matrix_step_for(group["params"], shapes)
+            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, dp_group, matrices))
 
 
 def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> None:
@@ -42,9 +44,11 @@ def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> No
     for opt_group, group in zip(optimizer.param_groups, groups):
         if not opt_group["use_muon"]:
             continue
-        specs = flat_partition_specs([tuple(p.shape) for p in group.params], list(group.layout.param_offsets),
-                                     group.layout.partition_numel, group.world_size)
-        optimizer.set_orthogonalizer(group.master, OwnerOrthogonalizer(specs, group.process_group))
+        shapes = [tuple(p.shape) for p in group.params]
+        specs = flat_partition_specs(shapes, list(group.layout.param_offsets), group.layout.partition_numel,
+                                     group.world_size)
+        matrices = matrix_step_for(group.params, shapes)
+        optimizer.set_orthogonalizer(group.master, OwnerOrthogonalizer(specs, group.process_group, matrices))
 
 
 def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range], sub_group_params: Sequence[Any],
@@ -57,6 +61,7 @@ def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range]
             continue
         for k in sub_groups:
             params = sub_group_params[k]
-            specs = per_param_partition_specs([tuple(p.ds_shape) for p in params],
-                                              [offset_of(p) for p in params], world_size)
-            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, dp_group))
+            shapes = [tuple(p.ds_shape) for p in params]
+            specs = per_param_partition_specs(shapes, [offset_of(p) for p in params], world_size)
+            matrices = matrix_step_for(params, shapes)
+            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, dp_group, matrices))
