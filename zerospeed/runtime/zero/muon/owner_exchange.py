@@ -4,7 +4,9 @@
 sub-group) by the ZeRO wrapper and registered with the optimizer (muon_optimizer.py). Called with
 this rank's flat U, it returns this rank's flat O: pieces to owners (all-to-all), Newton-Schulz on
 the owned matrices, pieces back (all-to-all). Elements outside every matrix (padding) come back 0.
-A group of one rank runs the same code with the collectives skipped.
+A group of one rank runs the same code with the collectives skipped. Newton-Schulz on the owned
+matrices goes through a `MatrixStep` (tp_matrices.py): whole matrices here, or with AutoTP each
+shard joined over the tensor-parallel group first ([Note: Muon with AutoTP]).
 """
 
 from __future__ import annotations
