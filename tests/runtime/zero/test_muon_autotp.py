@@ -28,10 +28,14 @@ TOL = 1e-5
 # that difference over the next steps well past TOL (the sharded sums round differently).
 
 
-def _llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(kind: str = "llama") -> torch.nn.Module:
+    """The tiny Llama (GQA), or a GPT-2 whose fused q/k/v `c_attn` is an [in, out] Conv1D weight."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
                                         tie_word_embeddings=False))
@@ -45,15 +49,15 @@ def _lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor
     return model(input_ids=batch[0], labels=batch[0]).loss
 
 
-def _train(stage: int, tp: int, ns_method: str, steps: int = STEPS) -> dict:
+def _train(stage: int, tp: int, ns_method: str, kind: str = "llama") -> dict:
     import zerospeed
     from zerospeed.comm import groups
     from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
 
     dp = torch.distributed.get_world_size() // tp
     generator = torch.Generator().manual_seed(7)
-    data = [torch.randint(0, VOCAB, (MICRO * dp, SEQ), generator=generator) for _ in range(steps)]
-    model = _llama()
+    data = [torch.randint(0, VOCAB, (MICRO * dp, SEQ), generator=generator) for _ in range(STEPS)]
+    model = _llama(kind)
     ref_losses, ref_params = reference_run(model, [(ids,) for ids in data], MUON, ADAM, CLIP,
                                            muon_names=_muon_names(model), loss_of=_lm_loss)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
@@ -75,8 +79,9 @@ def _train(stage: int, tp: int, ns_method: str, steps: int = STEPS) -> dict:
             full = consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group) if tp > 1 \
                 else dict(engine.module.state_dict())
             diff = {name: (full[name] - ref_params[name]).abs().max().item() for name in ref_params}
-        split = sum(bool(getattr(p, "tensor_model_parallel", False)) for p in engine.module.parameters())
-        return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param": diff, "split": split,
+        split = sum(bool(getattr(p, "tensor_model_parallel", False)) for p in engine.module.parameters()
+                    if p.use_muon)
+        return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param": diff, "split": split, "tp": tp,
                 "calls": engine.basic_optimizer.newton_schulz_calls, "num_muon": len(_muon_names(model))}
     finally:
         groups.reset()
@@ -84,18 +89,25 @@ def _train(stage: int, tp: int, ns_method: str, steps: int = STEPS) -> dict:
 
 def _check(results: list[dict]) -> None:
     for result in results:
-        assert result["split"] >= result["num_muon"] > 0, result   # every Muon matrix is split (and lm_head)
+        assert result["split"] > 0, result
         assert result["loss"] < TOL, result
         worst = max(result["param"].items(), key=lambda item: item[1])
         assert worst[1] < TOL, worst
-    # Each whole matrix was orthogonalized exactly once per step, somewhere, and every rank did part.
-    assert sum(r["calls"] for r in results) == STEPS * results[0]["num_muon"]
+    # Each split matrix was orthogonalized whole exactly once per step, somewhere; one AutoTP left
+    # whole (GPT-2's wte / wpe) once per tp rank (the same result on each); every rank did part.
+    split, whole = results[0]["split"], results[0]["num_muon"] - results[0]["split"]
+    assert sum(r["calls"] for r in results) == STEPS * (split + results[0]["tp"] * whole)
     assert all(r["calls"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_muon_autotp2_equals_single_process_muon(stage: int) -> None:
     _check(run_on_ranks(_train, 2, stage, 2, "gram"))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_autotp2_gpt2_fused_qkv_equals_single_process_muon(stage: int) -> None:
+    _check(run_on_ranks(_train, 2, stage, 2, "gram", "gpt2"))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
