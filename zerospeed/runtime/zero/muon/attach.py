@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from zerospeed import comm
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, ReplicatedOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
@@ -34,7 +35,8 @@ def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
         if group["use_muon"]:
             shapes = [tuple(p.shape) for p in group["params"]]
             matrices = matrix_step_for(group["params"], shapes)
-            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, dp_group, matrices))
+            owners = _expert_dp_group(group["params"]) or dp_group
+            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, owners, matrices))
 
 
 def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> None:
@@ -62,6 +64,25 @@ def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range]
         for k in sub_groups:
             params = sub_group_params[k]
             shapes = [tuple(p.ds_shape) for p in params]
-            specs = per_param_partition_specs(shapes, [offset_of(p) for p in params], world_size)
+            # [Note: MoE at stage 3] experts are partitioned over their expert-data-parallel group.
+            group = _expert_dp_group(params) or dp_group
+            size = world_size if group is dp_group else comm.get_world_size(group)
+            specs = per_param_partition_specs(shapes, [offset_of(p) for p in params], size)
             matrices = matrix_step_for(params, shapes)
-            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, dp_group, matrices))
+            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, group, matrices))
+
+
+def _expert_dp_group(params: Sequence[Any]) -> Any:
+    """The expert-data-parallel group of a list of MoE expert parameters (DeepSpeed's `allreduce=False`,
+    `group_name`): the ranks holding the same experts, which own their matrices; None for dense ones."""
+    experts = [not getattr(p, "allreduce", True) for p in params]
+    if not any(experts):
+        return None
+    names = {getattr(p, "group_name", None) for p in params}
+    if not all(experts) or len(names) != 1:
+        raise ValueError("a Muon param group mixes MoE expert parameters with others (or several expert groups): "
+                         "build the param groups with zerospeed.moe.utils.split_params_into_different_moe_groups_"
+                         "for_optimizer")
+    from zerospeed.utils import groups
+
+    return groups._get_expert_data_parallel_group(names.pop())
