@@ -85,4 +85,4 @@ def _expert_dp_group(params: Sequence[Any]) -> Any:
                          "for_optimizer")
     from zerospeed.utils import groups
 
-    return groups._get_expert_data_parallel_group(names.pop())
+    return groups._get_expert_data_parallel_group(str(names.pop()))
