@@ -24,7 +24,9 @@ def check_muon_supported(optimizer: torch.optim.Optimizer, offload: bool) -> Non
     """What the Muon step cannot do yet is refused here, by name, rather than stepped otherwise."""
     if isinstance(optimizer, MuonWithAuxAdam) and offload:
         raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer is not implemented by "
-                         "zerospeed: remove offload_optimizer (or its device) to train with Muon")
+                         "zerospeed (the offloaded step updates each partition in swap units, one at a time, and "
+                         "Muon's owner exchange needs the whole partition's update at once): remove "
+                         "offload_optimizer (or its device) to train with Muon")
 
 
 def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
