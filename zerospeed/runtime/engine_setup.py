@@ -45,17 +45,18 @@ def configure_basic_optimizer(config: Any, module: torch.nn.Module, client_optim
 
 
 def _prepare_muon(module: torch.nn.Module) -> None:
-    """`use_muon` on every parameter (DeepSpeed's rule); AutoTP-split matrices are refused: Muon on
-    each shard is not Muon on the matrix, and the tensor-parallel owner exchange is not written yet."""
+    """`use_muon` on every parameter (DeepSpeed's rule). A matrix split over tensor-parallel ranks
+    by AutoTP is joined for Newton-Schulz ([Note: Muon with AutoTP] in zero/muon/tp_matrices.py);
+    one split by another library (no AutoTP shard record) is refused: its layout is unknown."""
     from zerospeed.runtime.zero.muon.param_groups import tag_muon_params
 
     tag_muon_params(module)
-    split = [name for name, p in module.named_parameters()
-             if getattr(p, "use_muon", False) and getattr(p, "tensor_model_parallel", False)]
+    split = [name for name, p in module.named_parameters() if getattr(p, "use_muon", False)
+             and getattr(p, "tensor_model_parallel", False) and getattr(p, "ds_tp_shard", None) is None]
     if split:
-        raise ValueError(f"the Muon optimizer with AutoTP (tensor_parallel.autotp_size > 1) is not implemented by "
-                         f"zerospeed: {split[:3]} are split over tensor-parallel ranks, and Newton-Schulz on a "
-                         "shard differs from Newton-Schulz on the whole matrix")
+        raise ValueError(f"the Muon optimizer with tensor-parallel parameters not split by AutoTP is not implemented "
+                         f"by zerospeed: {split[:3]} are marked tensor_model_parallel with no AutoTP shard record, "
+                         "so their whole matrices, which Newton-Schulz needs, cannot be rebuilt")
 
 
 def _offloads_optimizer(config: Any) -> bool:

@@ -72,23 +72,25 @@ def _newton_schulz64(update: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def reference_run(model: torch.nn.Module, data: list, muon: dict[str, float], adam: dict[str, Any],
-                  clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process Muon (full matrices) + torch AdamW on the whole global batch per step."""
+                  clip: float = 0.0, muon_names: tuple[str, ...] = MUON_NAMES,
+                  loss_of: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process Muon (full matrices) + torch AdamW on the whole global batch per step;
+    `loss_of(model, batch)` (default `model(*batch)`)."""
     model = copy.deepcopy(model)
     named = dict(model.named_parameters())
-    adam_params = [p for n, p in named.items() if n not in MUON_NAMES]
+    adam_params = [p for n, p in named.items() if n not in muon_names]
     adamw = torch.optim.AdamW(adam_params, lr=adam["lr"], betas=adam["betas"], eps=adam["eps"],
                               weight_decay=adam["weight_decay"])
-    buffers = {n: torch.zeros_like(named[n]) for n in MUON_NAMES}
+    buffers = {n: torch.zeros_like(named[n]) for n in muon_names}
     losses = []
-    for tokens, labels in data:
-        loss = model(tokens, labels)
+    for batch in data:
+        loss = model(*batch) if loss_of is None else loss_of(model, batch)
         loss.backward()
         losses.append(loss.item())
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         with torch.no_grad():
-            for name in MUON_NAMES:
+            for name in muon_names:
                 p, beta = named[name], muon["momentum"]
                 buffers[name] = beta * buffers[name] + (1 - beta) * p.grad
                 blended = (1 - beta) * p.grad + beta * buffers[name]

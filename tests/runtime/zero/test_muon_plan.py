@@ -191,3 +191,25 @@ def test_mup_optimizers_come_from_the_mup_package(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "mup", fake)
     assert isinstance(build_basic_optimizer("MuAdamW", {"lr": 1e-3}, net.parameters()), torch.optim.AdamW)
     assert isinstance(build_basic_optimizer("musgd", {"lr": 1e-3}, net.parameters()), torch.optim.SGD)
+
+
+def test_moe_group_halves_keep_the_expert_group_name() -> None:
+    """The ZeRO wrappers find an expert group's expert-data-parallel group by its name."""
+    net = _Net()
+    tag_muon_params(net)
+    groups = muon_param_groups([{"params": [net.norm.weight]},
+                                {"params": [net.proj.weight, net.proj.bias], "moe": True, "name": "ep_size_2"}], {})
+    assert [(g["name"], g.get("moe", False), g["use_muon"]) for g in groups] == [
+        ("group0-adam-params", False, False), ("ep_size_2", True, True), ("ep_size_2", True, False)]
+
+
+@pytest.mark.parametrize("dim,fused_parts", [(0, 1), (1, 1), (0, 3), (1, 3)])
+def test_join_shards_inverts_autotp_sharding(dim: int, fused_parts: int) -> None:
+    from zerospeed.runtime.tensor_parallel.layers import TPShard, shard_of
+    from zerospeed.runtime.zero.muon.tp_matrices import full_shape, join_shards
+
+    full = torch.randn(12, 18)
+    shards = [TPShard(dim, fused_parts, 2, rank) for rank in range(2)]
+    pieces = [shard_of(full, shard) for shard in shards]
+    assert full_shape(tuple(pieces[0].shape), shards[0]) == (12, 18)
+    assert torch.equal(join_shards(pieces, shards[0]), full)

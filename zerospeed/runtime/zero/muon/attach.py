@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
+from zerospeed import comm
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, ReplicatedOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
+from zerospeed.runtime.zero.muon.tp_matrices import matrix_step_for
 
 __all__ = ["attach_stage0", "attach_zero12", "attach_zero3", "check_muon_supported"]
 
@@ -22,7 +24,9 @@ def check_muon_supported(optimizer: torch.optim.Optimizer, offload: bool) -> Non
     """What the Muon step cannot do yet is refused here, by name, rather than stepped otherwise."""
     if isinstance(optimizer, MuonWithAuxAdam) and offload:
         raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer is not implemented by "
-                         "zerospeed: remove offload_optimizer (or its device) to train with Muon")
+                         "zerospeed (the offloaded step updates each partition in swap units, one at a time, and "
+                         "Muon's owner exchange needs the whole partition's update at once): remove "
+                         "offload_optimizer (or its device) to train with Muon")
 
 
 def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
@@ -32,7 +36,9 @@ def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
     for index, group in enumerate(optimizer.param_groups):
         if group["use_muon"]:
             shapes = [tuple(p.shape) for p in group["params"]]
-            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, dp_group))
+            matrices = matrix_step_for(group["params"], shapes)
+            owners = _expert_dp_group(group["params"]) or dp_group
+            optimizer.set_group_orthogonalizer(index, ReplicatedOrthogonalizer(shapes, owners, matrices))
 
 
 def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> None:
@@ -42,9 +48,11 @@ def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> No
     for opt_group, group in zip(optimizer.param_groups, groups):
         if not opt_group["use_muon"]:
             continue
-        specs = flat_partition_specs([tuple(p.shape) for p in group.params], list(group.layout.param_offsets),
-                                     group.layout.partition_numel, group.world_size)
-        optimizer.set_orthogonalizer(group.master, OwnerOrthogonalizer(specs, group.process_group))
+        shapes = [tuple(p.shape) for p in group.params]
+        specs = flat_partition_specs(shapes, list(group.layout.param_offsets), group.layout.partition_numel,
+                                     group.world_size)
+        matrices = matrix_step_for(group.params, shapes)
+        optimizer.set_orthogonalizer(group.master, OwnerOrthogonalizer(specs, group.process_group, matrices))
 
 
 def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range], sub_group_params: Sequence[Any],
@@ -57,6 +65,26 @@ def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range]
             continue
         for k in sub_groups:
             params = sub_group_params[k]
-            specs = per_param_partition_specs([tuple(p.ds_shape) for p in params],
-                                              [offset_of(p) for p in params], world_size)
-            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, dp_group))
+            shapes = [tuple(p.ds_shape) for p in params]
+            # [Note: MoE at stage 3] experts are partitioned over their expert-data-parallel group.
+            group = _expert_dp_group(params) or dp_group
+            size = world_size if group is dp_group else comm.get_world_size(group)
+            specs = per_param_partition_specs(shapes, [offset_of(p) for p in params], size)
+            matrices = matrix_step_for(params, shapes)
+            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, group, matrices))
+
+
+def _expert_dp_group(params: Sequence[Any]) -> Any:
+    """The expert-data-parallel group of a list of MoE expert parameters (DeepSpeed's `allreduce=False`,
+    `group_name`): the ranks holding the same experts, which own their matrices; None for dense ones."""
+    experts = [not getattr(p, "allreduce", True) for p in params]
+    if not any(experts):
+        return None
+    names = {getattr(p, "group_name", None) for p in params}
+    if not all(experts) or len(names) != 1:
+        raise ValueError("a Muon param group mixes MoE expert parameters with others (or several expert groups): "
+                         "build the param groups with zerospeed.moe.utils.split_params_into_different_moe_groups_"
+                         "for_optimizer")
+    from zerospeed.utils import groups
+
+    return groups._get_expert_data_parallel_group(str(names.pop()))

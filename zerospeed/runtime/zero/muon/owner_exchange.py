@@ -4,7 +4,9 @@
 sub-group) by the ZeRO wrapper and registered with the optimizer (muon_optimizer.py). Called with
 this rank's flat U, it returns this rank's flat O: pieces to owners (all-to-all), Newton-Schulz on
 the owned matrices, pieces back (all-to-all). Elements outside every matrix (padding) come back 0.
-A group of one rank runs the same code with the collectives skipped.
+A group of one rank runs the same code with the collectives skipped. Newton-Schulz on the owned
+matrices goes through a `MatrixStep` (tp_matrices.py): whole matrices here, or with AutoTP each
+shard joined over the tensor-parallel group first ([Note: Muon with AutoTP]).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.zero.muon.newton_schulz import orthogonalize
 from zerospeed.runtime.zero.muon.owner_plan import MatrixSpec, Piece, assign_owners, exchange_plan
+from zerospeed.runtime.zero.muon.tp_matrices import LocalMatrices, MatrixStep
 
 __all__ = ["OwnerOrthogonalizer", "ReplicatedOrthogonalizer"]
 
@@ -23,13 +25,21 @@ _Route = tuple[tuple[tuple[int, Piece], ...], ...]
 
 
 class OwnerOrthogonalizer:
-    def __init__(self, specs: list[MatrixSpec], group: Any) -> None:
+    """`matrices` runs Newton-Schulz on the owned matrices (default: whole here; with AutoTP the
+    tensor-parallel join of [Note: Muon with AutoTP])."""
+
+    def __init__(self, specs: list[MatrixSpec], group: Any, matrices: MatrixStep | None = None) -> None:
         self.specs = specs
         self.group = group
         self.world_size = comm.get_world_size(group)
         self.owners = assign_owners([spec.shape for spec in specs], self.world_size)
         self.plan = exchange_plan(specs, self.owners, comm.get_rank(group), self.world_size)
-        self.num_orthogonalized = 0   # matrices this rank ran Newton-Schulz on, over its lifetime
+        self.matrices = matrices if matrices is not None else LocalMatrices([spec.shape for spec in specs])
+
+    @property
+    def num_orthogonalized(self) -> int:
+        """Matrices this rank ran Newton-Schulz on, over its lifetime."""
+        return self.matrices.num_orthogonalized
 
     def __call__(self, update: torch.Tensor, steps: int, method: str) -> torch.Tensor:
         plan = self.plan
@@ -39,9 +49,7 @@ class OwnerOrthogonalizer:
                     for index in plan.owned}
         _unpack(plan.receive, incoming, lambda index, piece: matrices[index].narrow(0, piece.matrix_offset,
                                                                                       piece.numel))
-        results = {index: orthogonalize(matrix, self.specs[index].shape, steps, method)
-                   for index, matrix in matrices.items()}
-        self.num_orthogonalized += len(results)
+        results = self.matrices(matrices, steps, method)
         returning = _pack_results(plan.receive, results, update.device)
         back = self._all_to_all(returning, plan.send_numels(), plan.receive_numels())
         out = torch.zeros(update.numel(), dtype=torch.float32, device=update.device)
@@ -62,24 +70,27 @@ class ReplicatedOrthogonalizer:
     zeroed flat buffer, and one all-reduce (a sum with zeros everywhere else: exact) hands every
     rank every result, so the replicas stay bitwise equal at 1/W of the Newton-Schulz work."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], group: Any) -> None:
+    def __init__(self, shapes: list[tuple[int, ...]], group: Any, matrices: MatrixStep | None = None) -> None:
         self.shapes = shapes
         self.group = group
         self.world_size = comm.get_world_size(group)
         owners = assign_owners(shapes, self.world_size)
         rank = comm.get_rank(group)
         self.owned = [owner == rank for owner in owners]
-        self.num_orthogonalized = 0
+        self.matrices = matrices if matrices is not None else LocalMatrices(shapes)
+
+    @property
+    def num_orthogonalized(self) -> int:
+        return self.matrices.num_orthogonalized
 
     def __call__(self, updates: list[torch.Tensor], steps: int, method: str) -> list[torch.Tensor]:
         numels = [u.numel() for u in updates]
         device = updates[0].device if updates else torch.device("cpu")
         flat = torch.zeros(sum(numels), dtype=torch.float32, device=device)
         pieces = list(flat.split(numels))
-        for piece, update, shape, mine in zip(pieces, updates, self.shapes, self.owned):
-            if mine:
-                piece.copy_(orthogonalize(update, shape, steps, method))
-                self.num_orthogonalized += 1
+        results = self.matrices({i: u for i, (u, mine) in enumerate(zip(updates, self.owned)) if mine}, steps, method)
+        for index, result in results.items():
+            pieces[index].copy_(result)
         if self.world_size > 1 and flat.numel():
             comm.all_reduce(flat, group=self.group)
         return pieces

@@ -10,7 +10,8 @@ DeepSpeed's rules (`deepspeed.set_optimizer_flags`, `DeepSpeedEngine._muon_param
   trainable parameter is dropped). Settings are resolved most-specific-last: the block's shared
   value, then `muon_lr` / `adam_lr`, then the incoming group's own keys. `weight_decay` reaches
   both halves, `momentum` / `ns_method` / `ns_steps` / `nesterov` the Muon half, `betas` / `eps`
-  the Adam half.
+  the Adam half. An MoE expert group (`moe: True`) keeps its name on both halves: it names the
+  expert group whose expert-data-parallel ranks own its matrices.
 
 Keys of the block outside these are refused by name: DeepSpeed drops them silently.
 """
@@ -78,8 +79,6 @@ def muon_param_groups(model_parameters: Any, params: dict[str, Any]) -> list[dic
     loose = [item for item in items if not isinstance(item, dict)]
     if loose or not groups:
         groups.append({"params": loose})
-    if any(group.get("moe") for group in groups):
-        raise ValueError("the Muon optimizer with MoE expert param groups is not implemented by zerospeed")
     untagged = [p for group in groups for p in group["params"] if not hasattr(p, "use_muon")]
     if untagged:
         raise ValueError(f"the Muon optimizer needs use_muon on every parameter and {len(untagged)} have none: "
@@ -96,7 +95,10 @@ def muon_param_groups(model_parameters: Any, params: dict[str, Any]) -> list[dic
             settings = {**defaults, **{key: value for key, value in group.items() if key in keys}}
             prefix = group.get("name") or (f"group{index}" if len(groups) > 1 else None)
             name = f"{prefix}-{label}-params" if prefix else f"{label}-params"
-            result.append({"params": half, "use_muon": use_muon, "name": name, **settings})
+            # An MoE group's halves keep its name, the expert group's, by which the ZeRO wrappers
+            # find the expert-data-parallel group its matrices are partitioned and owned in.
+            moe = {"moe": True, "name": group["name"]} if group.get("moe") else {}
+            result.append({"params": half, "use_muon": use_muon, "name": name, **settings, **moe})
     return result
 
 
