@@ -132,6 +132,15 @@ class WeightFiles:
         """The saved optimizer state in the full layout, for a load at another layout."""
         return export_full_state(saved, model_state)
 
+    def universal_shape(self, name: str, param: torch.nn.Parameter) -> torch.Size:
+        """The shape parameter `name` has in a universal folder (whole; this run may hold a piece)."""
+        return torch.Size(getattr(param, "ds_shape", param.shape))
+
+    def own_universal_state(self, ctx: CheckpointContext, full: FullOptimizerState) -> FullOptimizerState:
+        """The state read from a universal folder cut to what this rank's parameters hold
+        (AutoTP: its tp pieces); the optimizer's `load_full_state` partitions it further."""
+        return full
+
 
 def load_module_state(module: torch.nn.Module, module_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
     """`module_state` into `module`, leaving out the entries whose weights come from the optim files."""

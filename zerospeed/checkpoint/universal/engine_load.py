@@ -45,17 +45,20 @@ def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimiz
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"universal checkpoint directory {folder} does not exist")
     ctx = engine._checkpoint_context()
-    if ctx.has_moe_layers or ctx.tp_shards is not None:
-        what = "MoE" if ctx.has_moe_layers else "AutoTP"
-        raise NotImplementedError(f"loading a universal checkpoint into an {what} model is not implemented yet")
+    if ctx.has_moe_layers:   # docs/checkpointing.md, the resharding matrix
+        raise NotImplementedError("checkpoint.load_universal: loading a universal checkpoint into an MoE model is "
+                                  "not implemented yet")
     reader = CheckpointReader(folder)   # its manifest: every file present, each read checksummed
-    model_path = engine._weight_files().model_file(ctx, reader)
+    weight_files = engine._weight_files()
+    model_path = weight_files.model_file(ctx, reader)
     model_state = reader.load(model_path)
     with_optimizer = load_optimizer_states and not load_module_only
     names = full_state_names(ctx.param_names)
-    shapes = {names[name]: torch.Size(getattr(param, "ds_shape", param.shape))
+    # the folder holds every parameter whole; an AutoTP run cuts its tp pieces from it, then the
+    # optimizer its own partition, as a resharded load does
+    shapes = {names[name]: weight_files.universal_shape(name, param)
               for param, name in ctx.param_names.items() if param.requires_grad}
-    full = read_universal_state(folder, shapes, load_moments=with_optimizer)
+    full = weight_files.own_universal_state(ctx, read_universal_state(folder, shapes, load_moments=with_optimizer))
     ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=with_optimizer)
     _load_buffers(engine.module, model_state.get(C.MODULE) or {})
     loaded_scheduler = False

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint.constants import TP_SHARDS_KEY
+from zerospeed.checkpoint.tp_pieces import join_pieces, saved_tp_size
 from zerospeed.runtime.tensor_parallel.state_dict import shard_state_dict, split_params
 
 __all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
@@ -35,16 +36,6 @@ __all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_
 def shard_record(module: torch.nn.Module) -> dict[str, list[int]]:
     """name -> [dim, fused parts] of every split parameter (plain types, for the model file)."""
     return {name: [shard.dim, shard.fused_parts] for name, shard in split_params(module).items()}
-
-
-def saved_tp_size(model_state: dict[str, Any]) -> int:
-    return int(model_state.get("mp_world_size") or 1)
-
-
-def join_pieces(pieces: list[torch.Tensor], dim: int, fused_parts: int) -> torch.Tensor:
-    """The full tensor from every tp rank's piece (in tp-rank order): each fused part is split on its own."""
-    per_rank = [piece.chunk(fused_parts, dim=dim) for piece in pieces]
-    return torch.cat([torch.cat([chunks[part] for chunks in per_rank], dim=dim) for part in range(fused_parts)], dim=dim)
 
 
 def merge_tp_module_states(states: list[dict[str, Any]], record: dict[str, list[int]]) -> dict[str, Any]:
