@@ -14,10 +14,8 @@ input pages, not the model. The folder is written crash-safe ([Note: atomic univ
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,39 +24,20 @@ import torch
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import crash_point
 from zerospeed.checkpoint.deepspeed_format import zero_state_for_deepspeed
-from zerospeed.checkpoint.full_state import FullOptimizerState, export_zero3, export_zero12, merge_param_shapes
-from zerospeed.checkpoint.layout import model_states_name
+from zerospeed.checkpoint.full_state import FullOptimizerState, export_zero3, export_zero12
 from zerospeed.checkpoint.manifest import load_file
-from zerospeed.checkpoint.tp_pieces import full_shape, join_pieces, join_tp_states, saved_tp_size
+from zerospeed.checkpoint.tp_pieces import join_pieces
 from zerospeed.checkpoint.universal.folder import UniversalFolderWriter
 from zerospeed.checkpoint.universal.layout import (CAT_DIM, FP32, OPTIMIZER_STATE_FILE, PARAM, STEP,
                                                    UNIVERSAL_CHECKPOINT_INFO, ZERO_DIR, state_file)
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
+from zerospeed.checkpoint.universal.source import CheckpointSource, checkpoint_source
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout
 
 __all__ = ["CHUNK_BYTES", "convert_to_universal"]
 
 CHUNK_BYTES = 64 * 2**20
-_EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
-_LAYER_FILE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt$")
 _SHARDED_KEYS = (C.BASE_OPTIMIZER_STATE, C.PARAM_SLICE_MAPPINGS, C.SINGLE_PARTITION_OF_FP32_GROUPS,
                  C.FP32_FLAT_GROUPS, C.OPTIMIZER_STATE_DICT)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    """A checkpoint tag to convert: per tp rank (one entry without AutoTP) its saved layout and its
-    dp rank 0 model-states file (mmap'd: its module weights are never all needed), the AutoTP
-    shard record, and every model-states file (copied into the folder)."""
-
-    saved: list[SavedLayout]
-    model_states: list[dict[str, Any]]
-    record: dict[str, list[int]]
-    model_files: list[str]
-
-    def full_shapes(self) -> dict[str, torch.Size]:
-        """Every optimized parameter's whole shape, in flat order (tp rank 0's order)."""
-        pieces = merge_param_shapes(self.model_states[0][C.PARAM_SHAPES])
-        return {name: full_shape(shape, self.record.get(name), len(self.saved)) for name, shape in pieces.items()}
 
 
 def convert_to_universal(input_folder: str, output_folder: str, strict: bool = True,
@@ -66,7 +45,7 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     """Write the universal folder of the tag directory `input_folder` to `output_folder`, and
     `latest_universal` beside it (DeepSpeed's `ds_to_universal.main`). An AutoTP checkpoint's
     split parameters are joined from every tp rank ([Note: streaming conversion])."""
-    source = _source(input_folder)
+    source = checkpoint_source(input_folder)
     zero_stage = source.saved[0].zero_stage
     if zero_stage <= 2 and source.model_states[0].get(UNIVERSAL_CHECKPOINT_INFO) is None and not inject_missing_state:
         raise ValueError(f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint "
@@ -75,8 +54,8 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     writer = UniversalFolderWriter(output_folder).begin()
     try:
         for index, chunk in enumerate(_chunks(shapes, chunk_bytes)):
-            full = join_tp_states([_export_chunk(saved, model_state, chunk)
-                                   for saved, model_state in zip(source.saved, source.model_states)], source.record)
+            full = source.combine([_export_chunk(saved, model_state, chunk)
+                                   for saved, model_state in zip(source.saved, source.model_states)])
             # a scalar (the step) is a view of its mmap'd file and would keep every page this chunk
             # touched mapped while the chunk is written: own it, so the inputs unmap here
             full.scalars = {name: {k: _owned(v) if torch.is_tensor(v) else v for k, v in values.items()}
@@ -95,43 +74,6 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     except BaseException:
         writer.abort()
         raise
-
-
-def _source(tag_dir: str) -> _Source:
-    """The tag's files by tp rank; layouts not converted yet are refused by name."""
-    if not os.path.isdir(tag_dir):
-        raise FileNotFoundError(f"--input_folder {tag_dir} is not a checkpoint tag directory")
-    first = discover(tag_dir, bf16_first=True)
-    names = [os.path.basename(path) for path in first.model_files]
-    if any(_LAYER_FILE.search(name) for name in names):
-        raise NotImplementedError(f"{tag_dir} is a pipeline checkpoint (layer_*-model_states.pt): its conversion "
-                                  "to the universal format is not implemented yet")
-    if any(_EXPERT_FILE.search(name) for name in names):
-        raise NotImplementedError(f"{tag_dir} holds MoE expert files: their conversion to the universal format "
-                                  "is not implemented yet")
-    if first.zero_stage == 0:
-        raise ValueError(f"{tag_dir} has no ZeRO optimizer files (*_optim_states.pt): the universal format "
-                         "converts ZeRO stage 1-3 checkpoints")
-    model_states = [load_file(_model_file(tag_dir, first.zero_stage, 0), mmap=True)]
-    tp_size = saved_tp_size(model_states[0])
-    if tp_size > 1 and C.TP_SHARDS_KEY not in model_states[0]:
-        raise NotImplementedError(f"{tag_dir} is a tensor-parallel checkpoint (mp_world_size {tp_size}) without "
-                                  f"the '{C.TP_SHARDS_KEY}' record zerospeed's AutoTP writes: its conversion to the "
-                                  "universal format is not implemented yet")
-    if any(int(rank) >= tp_size for rank in re.findall(r"mp_rank_(\d+)", " ".join(names))):
-        raise ValueError(f"{tag_dir} holds files of mp ranks beyond its mp_world_size {tp_size}")
-    model_states += [load_file(_model_file(tag_dir, first.zero_stage, r), mmap=True) for r in range(1, tp_size)]
-    saved = [first] + [discover(tag_dir, bf16_first=True, mp_rank=r) for r in range(1, tp_size)]
-    return _Source(saved, model_states, model_states[0].get(C.TP_SHARDS_KEY) or {}, first.model_files)
-
-
-def _model_file(tag_dir: str, zero_stage: int, mp_rank: int) -> str:
-    """Tp rank `mp_rank`'s model-states file of dp rank 0 (stage 3: one per dp rank, all alike)."""
-    path = os.path.join(tag_dir, model_states_name(zero_stage, 0, mp_rank))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {tag_dir}: {os.path.basename(path)} is missing (the conversion needs "
-                                "every tp rank's files)")
-    return path
 
 
 def _chunks(shapes: dict[str, torch.Size], chunk_bytes: int) -> Iterator[list[str]]:
@@ -232,7 +174,7 @@ def _write_params(writer: UniversalFolderWriter, full: FullOptimizerState, chunk
             writer.save(state_file(name, STEP), _owned(step) if torch.is_tensor(step) else step)
 
 
-def _write_module_entries(writer: UniversalFolderWriter, source: _Source, shapes: dict[str, torch.Size]) -> None:
+def _write_module_entries(writer: UniversalFolderWriter, source: CheckpointSource, shapes: dict[str, torch.Size]) -> None:
     """Entries of the module the optimizer does not hold (frozen params, buffers): fp32.pt only,
     a split frozen parameter joined from every tp rank's model file."""
     modules = [model_state.get(C.MODULE) or {} for model_state in source.model_states]
