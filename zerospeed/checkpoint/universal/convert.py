@@ -31,7 +31,7 @@ from zerospeed.checkpoint.universal.folder import UniversalFolderWriter
 from zerospeed.checkpoint.universal.layout import (CAT_DIM, FP32, OPTIMIZER_STATE_FILE, PARAM, STEP,
                                                    UNIVERSAL_CHECKPOINT_INFO, ZERO_DIR, state_file)
 from zerospeed.checkpoint.universal.source import CheckpointSource, checkpoint_source
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, export_full_state
 
 __all__ = ["CHUNK_BYTES", "convert_to_universal"]
 
@@ -53,9 +53,7 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     shapes = source.full_shapes()
     writer = UniversalFolderWriter(output_folder).begin()
     try:
-        for index, chunk in enumerate(_chunks(shapes, chunk_bytes)):
-            full = source.combine([_export_chunk(saved, model_state, chunk)
-                                   for saved, model_state in zip(source.saved, source.model_states)])
+        for index, (chunk, full) in enumerate(_full_states(source, shapes, chunk_bytes)):
             # a scalar (the step) is a view of its mmap'd file and would keep every page this chunk
             # touched mapped while the chunk is written: own it, so the inputs unmap here
             full.scalars = {name: {k: _owned(v) if torch.is_tensor(v) else v for k, v in values.items()}
@@ -74,6 +72,21 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     except BaseException:
         writer.abort()
         raise
+
+
+def _full_states(source: CheckpointSource, shapes: dict[str, torch.Size],
+                 chunk_bytes: int) -> Iterator[tuple[list[str], FullOptimizerState]]:
+    """The whole model's state a chunk at a time. An MoE checkpoint is read whole, through the
+    resharded load's exporter, which names each expert by its global id ([Note: MoE stage-3
+    reshard]): its partitions follow per-parameter group sizes the chunk windows do not model."""
+    if source.moe:
+        full = export_full_state(source.saved[0], source.model_states[0])
+        shapes.update({name: value.shape for name, value in full.fp32.items()})
+        yield list(full.fp32), full
+        return
+    for chunk in _chunks(shapes, chunk_bytes):
+        yield chunk, source.combine([_export_chunk(saved, model_state, chunk)
+                                     for saved, model_state in zip(source.saved, source.model_states)])
 
 
 def _chunks(shapes: dict[str, torch.Size], chunk_bytes: int) -> Iterator[list[str]]:

@@ -43,9 +43,6 @@ def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimiz
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"universal checkpoint directory {folder} does not exist")
     ctx = engine._checkpoint_context()
-    if ctx.has_moe_layers:   # docs/checkpointing.md, the resharding matrix
-        raise NotImplementedError("checkpoint.load_universal: loading a universal checkpoint into an MoE model is "
-                                  "not implemented yet")
     reader = CheckpointReader(folder)   # its manifest: every file present, each read checksummed
     weight_files = engine._weight_files()
     model_path = weight_files.universal_model_file(ctx, reader)

@@ -6,8 +6,10 @@ split parameter, joined along the split dimension (tp_pieces.py, the model file'
 record); one per pipeline stage, each holding *other* parameters (a stage's layers, named by global
 layer index, so the union is the whole model; a tied weight is in several stages, equal in each,
 and taken from the first). Either way the result is [Note: full layout] (full_state.py) of the
-whole model, which is what a universal folder stores. MoE expert files are refused, as are
-DeepSpeed's Megatron-style tp checkpoints (no shard record) and a pipeline with tp inside a stage.
+whole model, which is what a universal folder stores, experts of an MoE checkpoint under their
+global ids (moe_reshard.py). Refused by name: DeepSpeed's MoE checkpoints (no expert rank layout),
+its Megatron-style tp checkpoints (no shard record), MoE with tp or pipeline stages, and a
+pipeline with tp inside a stage.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.full_state import FullOptimizerState, merge_param_shapes
 from zerospeed.checkpoint.layout import model_states_name
 from zerospeed.checkpoint.manifest import load_file
+from zerospeed.checkpoint.moe_reshard import EP_SIZES_KEY
 from zerospeed.checkpoint.tp_pieces import full_shape, join_tp_states, saved_tp_size
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
 
@@ -37,12 +40,14 @@ _LAYER_FILE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt$")
 class CheckpointSource:
     """Per model-parallel rank (one entry without model parallelism) its saved layout and its dp
     rank 0 model-states file (mmap'd: its module weights are never all needed); the AutoTP shard
-    record; `pipeline`: the ranks are pipeline stages; every model-states file (copied over)."""
+    record; `pipeline`: the ranks are pipeline stages; `moe`: expert files beside (zerospeed's,
+    with its expert rank layout); every model-states file (copied over)."""
 
     saved: list[SavedLayout]
     model_states: list[dict[str, Any]]
     record: dict[str, list[int]]
     pipeline: bool
+    moe: bool
     model_files: list[str]
 
     def full_shapes(self) -> dict[str, torch.Size]:
@@ -78,24 +83,29 @@ def checkpoint_source(tag_dir: str) -> CheckpointSource:
         raise FileNotFoundError(f"--input_folder {tag_dir} is not a checkpoint tag directory")
     first = discover(tag_dir, bf16_first=True)
     names = [os.path.basename(path) for path in first.model_files]
-    if any(_EXPERT_FILE.search(name) for name in names):
-        raise NotImplementedError(f"{tag_dir} holds MoE expert files: their conversion to the universal format "
-                                  "is not implemented yet")
     if first.zero_stage == 0:
         raise ValueError(f"{tag_dir} has no ZeRO optimizer files (*_optim_states.pt): the universal format "
                          "converts ZeRO stage 1-3 checkpoints")
     model_states = [load_file(_model_file(tag_dir, first.zero_stage, 0), mmap=True)]
+    moe = any(_EXPERT_FILE.search(name) for name in names)
+    if moe and not model_states[0].get(EP_SIZES_KEY):
+        raise NotImplementedError(f"{tag_dir} holds MoE expert files without zerospeed's '{EP_SIZES_KEY}' record "
+                                  "(a DeepSpeed MoE checkpoint): its conversion to the universal format is not "
+                                  "implemented yet")
     # layer files end in "-model_states.pt", outside discover's "*_model_states.pt"
     layer_files = sorted(path for path in glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))
                          if _LAYER_FILE.search(os.path.basename(path)))
     pipeline = bool(layer_files)
     num_ranks = _model_parallel_size(tag_dir, model_states[0], pipeline)
+    if moe and num_ranks > 1:
+        raise NotImplementedError(f"{tag_dir} is an MoE checkpoint with tensor or pipeline parallelism: its "
+                                  "conversion to the universal format is not implemented yet")
     if any(int(rank) >= num_ranks for rank in re.findall(r"mp_rank_(\d+)", " ".join(names))):
         raise ValueError(f"{tag_dir} holds files of mp ranks beyond its mp_world_size {num_ranks}")
     model_states += [load_file(_model_file(tag_dir, first.zero_stage, r), mmap=True) for r in range(1, num_ranks)]
     saved = [first] + [discover(tag_dir, bf16_first=True, mp_rank=r) for r in range(1, num_ranks)]
     record = {} if pipeline else model_states[0].get(C.TP_SHARDS_KEY) or {}
-    return CheckpointSource(saved, model_states, record, pipeline, first.model_files + layer_files)
+    return CheckpointSource(saved, model_states, record, pipeline, moe, first.model_files + layer_files)
 
 
 def _model_parallel_size(tag_dir: str, model_state: dict[str, Any], pipeline: bool) -> int:
