@@ -10,6 +10,9 @@ window of its flat groups), then read by the same exporters a resharded load use
 (full_state.py `export_zero12` / `export_zero3`). The files are re-opened for every chunk so the
 pages the previous chunk touched are unmapped: peak memory is about one chunk of state plus its
 input pages, not the model. The folder is written crash-safe ([Note: atomic universal folder]).
+With model parallelism every chunk is read from each mp rank's files and combined (source.py:
+AutoTP pieces joined, pipeline stages united); an MoE checkpoint is read whole instead, its
+experts renamed by global id.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ At ZeRO-3 every rank writes ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt
 are placeholders, as DeepSpeed's) and its optim file, whose flat partitions hold the weights. Such a
 checkpoint loads at its own tp size (any dp size, through ZeRO-3's own resharding); at another tp
 size, or a stage-0-2 checkpoint at another tp size into a stage-3 run, is refused with the sizes
-(`check_tp_reshard`): `zero_to_fp32` gives the full weights of either, to load into the new run.
+(`check_tp_reshard`): a universal folder of it (`ds_to_universal`, then `load_universal`) loads at
+any tp size, optimizer state included, and `zero_to_fp32` gives the full weights.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def check_tp_reshard(tag_dir: str, saved_tp: int, current_tp: int, weights_parti
     if saved_stage3 or weights_partitioned:
         side = "saved at ZeRO stage 3" if saved_stage3 else "loaded into a ZeRO stage 3 run"
         raise ValueError(f"checkpoint {tag_dir} was saved at tensor_parallel.autotp_size {saved_tp} and is "
-                         f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported: "
-                         "load it at its own tp size, or take the full weights with zero_to_fp32 "
+                         f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported "
+                         "directly: load it at its own tp size, convert it with ds_to_universal and load it "
+                         "with checkpoint.load_universal, or take the full weights with zero_to_fp32 "
                          "(get_fp32_state_dict_from_zero_checkpoint) and load those")
 
 
