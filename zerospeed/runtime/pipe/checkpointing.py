@@ -92,11 +92,12 @@ class PipelineLayerFiles(WeightFiles):
 
     def load_universal_module(self, ctx: CheckpointContext, reader: CheckpointReader,
                               model_state: dict[str, Any]) -> None:
-        """The layer files, copied into the universal folder, keyed by global layer index: buffers
-        and frozen weights of any partition (the trained weights then come from `zero/`)."""
-        self._load_layers(reader, strict=True)
+        """The layer files zerospeed's converter copies into the folder, keyed by global layer index:
+        buffers and frozen weights of any partition (the trained weights then come from `zero/`).
+        DeepSpeed's converter copies none: the layers then keep their initial buffers, as DeepSpeed."""
+        self._load_layers(reader, strict=True, required=False)
 
-    def _load_layers(self, reader: CheckpointReader, strict: bool) -> None:
+    def _load_layers(self, reader: CheckpointReader, strict: bool, required: bool = True) -> None:
         tag_dir = reader.tag_dir
         rank_repr = self.module.topology().get_rank_repr(rank=self.global_rank)
         for local_index, layer in enumerate(self.module.forward_funcs):
@@ -105,6 +106,8 @@ class PipelineLayerFiles(WeightFiles):
             path = self.module.ckpt_layer_path(tag_dir, local_index)
             if not os.path.isfile(path):
                 found = sorted(glob.glob(os.path.join(tag_dir, os.path.basename(path).split("-")[0] + "-*model_states.pt")))
+                if not found and not required:
+                    continue
                 if len(found) != 1:
                     raise FileNotFoundError(f"no layer file {path} (found {found}); rank {rank_repr or 'plain'}")
                 path = found[0]
