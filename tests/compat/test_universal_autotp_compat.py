@@ -64,3 +64,21 @@ def test_both_converters_join_autotp_pieces_alike(tmp_path) -> None:
         scale = value["param"].abs().max().item()
         torch.testing.assert_close(ours[key]["param"], value["param"], rtol=0, atol=1e-4 * scale,
                                    msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_zerospeed_loads_deepspeeds_autotp_universal_folder_at_tp1(tmp_path) -> None:
+    """DeepSpeed's tp=2 checkpoint converted by DeepSpeed's converter (pieces joined by its affine
+    maps, no `cat_dim`) loads into zerospeed at tp 1 on one rank: the weights DeepSpeed held, bit
+    for bit, and its step count."""
+    from compat_harness import run_both, run_script
+
+    written = run_both(SCRIPT, str(tmp_path), steps=2, stage=1, adam=True)
+    ckpt = tmp_path / "deepspeed" / "ckpt"
+    _convert("deepspeed", str(ckpt / "t"), str(ckpt / "t_universal"))
+    read = run_script(SCRIPT, "zerospeed", str(tmp_path / "loads"), world_size=1, steps=0, stage=1, adam=True,
+                      universal=True, load_from={"zerospeed": str(ckpt)})[0]
+    assert read["global_steps"] == 2
+    full = written["deepspeed"][0]["full"]
+    assert read["loaded"].keys() == full.keys()
+    for name, value in full.items():
+        assert read["loaded"][name] == value, name
