@@ -4,6 +4,7 @@ The cross-library side (DeepSpeed converts / loads) is tests/compat/test_univers
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -178,20 +179,24 @@ def test_streaming_in_chunks_writes_what_one_pass_writes(saved, tmp_path, stage)
             assert torch.equal(a, b), (name, file)
 
 
-def _pipeline_load(load_dir):
-    from zerospeed.pipe import PipelineModule
-
-    module = PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
-                            loss_fn=torch.nn.functional.mse_loss)
-    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "checkpoint": {"load_universal": True}}
-    engine, _, _, _ = zerospeed.initialize(model=module, config=config)
-    try:
-        engine.load_checkpoint(load_dir)
-    except NotImplementedError as error:
-        return str(error)
-    return "loaded"
+def _altered_copy(tag_dir, target, **model_state_changes):
+    """The tag directory copied without its manifest, its model-states file changed."""
+    shutil.copytree(tag_dir, target)
+    os.remove(os.path.join(target, "zs_manifest.json"))
+    path = os.path.join(target, "mp_rank_00_model_states.pt")
+    torch.save({**torch.load(path, weights_only=False), **model_state_changes}, path)
+    return str(target)
 
 
-def test_a_pipeline_engine_refuses_load_universal_by_name(tmp_path):
-    assert run_on_ranks(_pipeline_load, 2, str(tmp_path))[0].startswith("checkpoint.load_universal")
+def test_layouts_not_converted_are_refused_by_name(saved, tmp_path):
+    """docs/checkpointing.md, the resharding matrix: what the converter cannot convert it names."""
+    tag_dir = os.path.join(saved[1][0], f"global_step{STEPS_BEFORE}")
+    megatron_tp = _altered_copy(tag_dir, tmp_path / "tp", mp_world_size=2)
+    with pytest.raises(NotImplementedError, match="tensor-parallel checkpoint .mp_world_size 2. without .*autotp_shards"):
+        convert_to_universal(megatron_tp, str(tmp_path / "out_tp"), inject_missing_state=True)
+    deepspeed_moe = _altered_copy(tag_dir, tmp_path / "moe")
+    shutil.copyfile(os.path.join(deepspeed_moe, "mp_rank_00_model_states.pt"),
+                    os.path.join(deepspeed_moe, "layer_0_expert_0_mp_rank_00_model_states.pt"))
+    with pytest.raises(NotImplementedError, match="MoE expert files without .*zs_moe_ep_sizes"):
+        convert_to_universal(deepspeed_moe, str(tmp_path / "out_moe"), inject_missing_state=True)
+    assert not os.path.exists(tmp_path / "out_tp") and not os.path.exists(tmp_path / "out_moe")

@@ -132,6 +132,29 @@ class WeightFiles:
         """The saved optimizer state in the full layout, for a load at another layout."""
         return export_full_state(saved, model_state)
 
+    def universal_model_file(self, ctx: CheckpointContext, reader: CheckpointReader) -> str:
+        """The model-states file of a universal folder this rank reads (counters, scheduler, buffers)."""
+        return self.model_file(ctx, reader)
+
+    @torch.no_grad()
+    def load_universal_module(self, ctx: CheckpointContext, reader: CheckpointReader,
+                              model_state: dict[str, Any]) -> None:
+        """What of the module a universal folder's `zero/` files do not hold: persistent buffers,
+        from the model-states file (DeepSpeed leaves them at their initial values)."""
+        buffers = dict(ctx.module.named_buffers())
+        for name, value in (model_state.get(C.MODULE) or {}).items():
+            if name in buffers and torch.is_tensor(value) and value.shape == buffers[name].shape:
+                buffers[name].copy_(value)
+
+    def universal_shape(self, name: str, param: torch.nn.Parameter) -> torch.Size:
+        """The shape parameter `name` has in a universal folder (whole; this run may hold a piece)."""
+        return torch.Size(getattr(param, "ds_shape", param.shape))
+
+    def own_universal_state(self, ctx: CheckpointContext, full: FullOptimizerState) -> FullOptimizerState:
+        """The state read from a universal folder cut to what this rank's parameters hold
+        (AutoTP: its tp pieces); the optimizer's `load_full_state` partitions it further."""
+        return full
+
 
 def load_module_state(module: torch.nn.Module, module_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
     """`module_state` into `module`, leaving out the entries whose weights come from the optim files."""

@@ -1,8 +1,9 @@
 """Compat script: a tiny HF Llama trained with AutoTP (tensor_parallel.autotp_size = world size),
 written once against DeepSpeed's public API.
 
-`main(ds, ctx, steps, stage, load_from=None)`: `tp_model_init` + `initialize` at ZeRO `stage`, `steps` clipped SGD
-steps (SGD: the clip factor shows in the parameters), then the full weights
+`main(ds, ctx, steps, stage, load_from=None, adam=False)`: `tp_model_init` + `initialize` at ZeRO `stage`, `steps`
+clipped SGD steps (SGD: the clip factor shows in the parameters; `adam`: AdamW, whose moments a universal folder holds;
+`universal`: `load_from` is read through `"load_universal": true`; at world size 1 the model is not cut), then the full weights
 (`_consolidated_16bit_state_dict`), `save_checkpoint` and the checkpoint's file names. Also
 reports which error, if any, AutoTP on GPT-2 raises at `initialize`. With `load_from` ({impl:
 checkpoint dir}) it loads that checkpoint instead and reports the full weights it then holds.
@@ -31,21 +32,23 @@ def _gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=2 * SEQ, n_embd=32, n_layer=1, n_head=4))
 
 
-def _config(stage, tp):
+def _config(stage, tp, adam=False):
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-2}} if adam else {"type": "SGD", "params": {"lr": LR}}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+            "optimizer": optimizer, "zero_allow_untested_optimizer": True,
             "gradient_clipping": CLIP,
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "tensor_parallel": {"autotp_size": tp}}
 
 
-def main(ds, ctx, steps, stage, load_from=None):
+def main(ds, ctx, steps, stage, load_from=None, adam=False, universal=False):
     tp = ctx.world_size
-    model = ds.tp_model_init(_llama(), tp_size=tp, dtype=torch.float32)
-    engine, _, _, _ = ds.initialize(model=model, config=_config(stage, tp))
-    if load_from is not None:   # the other library's checkpoint ({impl: dir})
-        engine.load_checkpoint(load_from[ctx.impl], tag="t")
-        loaded = engine._consolidated_16bit_state_dict()
+    model = ds.tp_model_init(_llama(), tp_size=tp, dtype=torch.float32) if tp > 1 else _llama()
+    config = {**_config(stage, tp, adam), **({"checkpoint": {"load_universal": True}} if universal else {})}
+    engine, _, _, _ = ds.initialize(model=model, config=config)
+    if load_from is not None:   # the other library's checkpoint ({impl: dir}); universal: latest_universal
+        engine.load_checkpoint(load_from[ctx.impl], tag=None if universal else "t")
+        loaded = engine._consolidated_16bit_state_dict() if tp > 1 else engine.module.state_dict()
         return {"loaded": {name: ctx.values(value) for name, value in (loaded or {}).items()},
                 "global_steps": engine.global_steps}
     generator = torch.Generator().manual_seed(7)

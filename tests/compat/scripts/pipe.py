@@ -1,8 +1,9 @@
 """Compat script: a pipelined MLP trained, saved and resumed, written once against DeepSpeed's API.
 
-`main(ds, ctx, stage, steps, load_from=None, resume_steps=0)`: 2 stages on 2 ranks, 2 micro-
-batches per step, `steps` train_batch calls then `save_checkpoint(ctx.path("ckpt"))`; with
-`load_from` a fresh engine loads that directory instead and trains `resume_steps` more. Reports
+`main(ds, ctx, stage, steps, load_from=None, resume_steps=0, num_stages=2, universal=False)`: 2 stages
+on 2 ranks, 2 micro-batches per step, `steps` train_batch calls then `save_checkpoint(ctx.path("ckpt"))`;
+with `load_from` a fresh engine (`num_stages`; `universal`: `"load_universal": true`) loads that
+directory instead and trains `resume_steps` more. Reports
 the losses and this stage's parameters by global layer name (also as saved: "saved"); also whether `seed_layers=True`
 with partition_method='parameters' raises (DeepSpeed 0.19.8: TypeError on Python >= 3.11).
 """
@@ -32,8 +33,8 @@ def micro_batches(step):
     return iter([(x[k * MICRO:(k + 1) * MICRO], y[k * MICRO:(k + 1) * MICRO]) for k in range(GAS)])
 
 
-def engine_for(ds, stage):
-    module = ds.pipe.PipelineModule(specs(ds), num_stages=2, loss_fn=loss_fn, seed_layers=True, base_seed=42,
+def engine_for(ds, stage, num_stages=2, universal=False):
+    module = ds.pipe.PipelineModule(specs(ds), num_stages=num_stages, loss_fn=loss_fn, seed_layers=True, base_seed=42,
                                     partition_method="uniform")
     config = {"train_batch_size": MICRO * GAS, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 100,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
@@ -41,17 +42,17 @@ def engine_for(ds, stage):
               # DeepSpeed 0.19.8 clips a stage-0 pipeline by the norm of stage 0 alone (its
               # clip_grad_norm_ skips params off model-parallel rank 0 = other stages); zerospeed uses
               # every stage. Off here, so the steps compare; the difference is in docs/compatibility.md.
-              "gradient_clipping": 0.0}
+              "gradient_clipping": 0.0, **({"checkpoint": {"load_universal": True}} if universal else {})}
     engine, _, _, _ = ds.initialize(model=module, model_parameters=module.parameters(), config=config)
     return engine
 
 
-def main(ds, ctx, stage, steps, load_from=None, resume_steps=0):
+def main(ds, ctx, stage, steps, load_from=None, resume_steps=0, num_stages=2, universal=False):
     ds.init_distributed(dist_backend="gloo")  # PipelineModule needs the backend before initialize
     seed_error = ctx.error_name(ds.pipe.PipelineModule, specs(ds), num_stages=2, loss_fn=loss_fn,
                                 seed_layers=True, partition_method="parameters")
     torch.manual_seed(0)
-    engine = engine_for(ds, stage)
+    engine = engine_for(ds, stage, num_stages, universal)
     losses, first_step, saved = [], 0, {}
     if load_from is None:
         for step in range(steps):

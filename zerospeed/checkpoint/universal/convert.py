@@ -10,13 +10,15 @@ window of its flat groups), then read by the same exporters a resharded load use
 (full_state.py `export_zero12` / `export_zero3`). The files are re-opened for every chunk so the
 pages the previous chunk touched are unmapped: peak memory is about one chunk of state plus its
 input pages, not the model. The folder is written crash-safe ([Note: atomic universal folder]).
+With model parallelism every chunk is read from each mp rank's files and combined (source.py:
+AutoTP pieces joined, pipeline stages united); an MoE checkpoint is read whole instead, its
+experts renamed by global id.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,18 +27,18 @@ import torch
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.atomic import crash_point
 from zerospeed.checkpoint.deepspeed_format import zero_state_for_deepspeed
-from zerospeed.checkpoint.full_state import FullOptimizerState, export_zero3, export_zero12, merge_param_shapes
+from zerospeed.checkpoint.full_state import FullOptimizerState, export_zero3, export_zero12
 from zerospeed.checkpoint.manifest import load_file
+from zerospeed.checkpoint.tp_pieces import join_pieces
 from zerospeed.checkpoint.universal.folder import UniversalFolderWriter
 from zerospeed.checkpoint.universal.layout import (CAT_DIM, FP32, OPTIMIZER_STATE_FILE, PARAM, STEP,
                                                    UNIVERSAL_CHECKPOINT_INFO, ZERO_DIR, state_file)
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
+from zerospeed.checkpoint.universal.source import CheckpointSource, checkpoint_source
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, export_full_state
 
 __all__ = ["CHUNK_BYTES", "convert_to_universal"]
 
 CHUNK_BYTES = 64 * 2**20
-_EXPERT_FILE = re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
-_LAYER_FILE = re.compile(r"layer_\d+(-model_\d+)?-model_states\.pt$")
 _SHARDED_KEYS = (C.BASE_OPTIMIZER_STATE, C.PARAM_SLICE_MAPPINGS, C.SINGLE_PARTITION_OF_FP32_GROUPS,
                  C.FP32_FLAT_GROUPS, C.OPTIMIZER_STATE_DICT)
 
@@ -44,29 +46,30 @@ _SHARDED_KEYS = (C.BASE_OPTIMIZER_STATE, C.PARAM_SLICE_MAPPINGS, C.SINGLE_PARTIT
 def convert_to_universal(input_folder: str, output_folder: str, strict: bool = True,
                          inject_missing_state: bool = False, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Write the universal folder of the tag directory `input_folder` to `output_folder`, and
-    `latest_universal` beside it (DeepSpeed's `ds_to_universal.main`)."""
-    saved, model_files = _source(input_folder)
-    model_state = load_file(model_files[0], mmap=True)   # its module weights are never all needed
-    if saved.zero_stage <= 2 and model_state.get(UNIVERSAL_CHECKPOINT_INFO) is None and not inject_missing_state:
-        raise ValueError(f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint {model_files[0]}: "
-                         "pass --inject_missing_state (DeepSpeed's converter requires the same)")
-    shapes = merge_param_shapes(model_state[C.PARAM_SHAPES])
+    `latest_universal` beside it (DeepSpeed's `ds_to_universal.main`). An AutoTP checkpoint's
+    split parameters are joined from every tp rank ([Note: streaming conversion])."""
+    source = checkpoint_source(input_folder)
+    zero_stage = source.saved[0].zero_stage
+    if zero_stage <= 2 and source.model_states[0].get(UNIVERSAL_CHECKPOINT_INFO) is None and not inject_missing_state:
+        raise ValueError(f"Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint "
+                         f"{source.model_files[0]}: pass --inject_missing_state (DeepSpeed's converter requires the same)")
+    shapes = source.full_shapes()
     writer = UniversalFolderWriter(output_folder).begin()
     try:
-        for index, chunk in enumerate(_chunks(shapes, chunk_bytes)):
-            full = _export_chunk(saved, model_state, chunk)
+        for index, (chunk, full) in enumerate(_full_states(source, shapes, chunk_bytes)):
             # a scalar (the step) is a view of its mmap'd file and would keep every page this chunk
             # touched mapped while the chunk is written: own it, so the inputs unmap here
             full.scalars = {name: {k: _owned(v) if torch.is_tensor(v) else v for k, v in values.items()}
                             for name, values in full.scalars.items()}
-            _write_params(writer, full, chunk, shapes, strict)
+            _write_params(writer, full, chunk, shapes, strict, source.record)
             del full
             if index == 0:
                 crash_point("universal_mid_params")
-        if saved.zero_stage <= 2:   # as DeepSpeed: frozen params and buffers too, from the module
-            _write_module_entries(writer, model_state, shapes)
-        writer.save(os.path.join(ZERO_DIR, OPTIMIZER_STATE_FILE), _optimizer_state(saved), deepspeed_names=True)
-        for path in model_files:
+        if zero_stage <= 2:   # as DeepSpeed: frozen params and buffers too, from the module
+            _write_module_entries(writer, source, shapes)
+        writer.save(os.path.join(ZERO_DIR, OPTIMIZER_STATE_FILE), _optimizer_state(source.saved[0]),
+                    deepspeed_names=True)
+        for path in source.model_files:
             writer.copy(path, os.path.basename(path))
         writer.commit()
     except BaseException:
@@ -74,25 +77,19 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
         raise
 
 
-def _source(tag_dir: str) -> tuple[SavedLayout, list[str]]:
-    """The saved layout, and the model-states files to copy; layouts not converted yet are refused."""
-    if not os.path.isdir(tag_dir):
-        raise FileNotFoundError(f"--input_folder {tag_dir} is not a checkpoint tag directory")
-    saved = discover(tag_dir, bf16_first=True)
-    names = [os.path.basename(path) for path in saved.model_files]
-    if any(_LAYER_FILE.search(name) for name in names):
-        raise NotImplementedError(f"{tag_dir} is a pipeline checkpoint (layer_*-model_states.pt): its conversion "
-                                  "to the universal format is not implemented yet")
-    if any(_EXPERT_FILE.search(name) for name in names):
-        raise NotImplementedError(f"{tag_dir} holds MoE expert files: their conversion to the universal format "
-                                  "is not implemented yet")
-    if any("mp_rank_00" not in name for name in names):
-        raise NotImplementedError(f"{tag_dir} is a tensor-parallel checkpoint (mp_rank > 0): its conversion to "
-                                  "the universal format is not implemented yet")
-    if saved.zero_stage == 0:
-        raise ValueError(f"{tag_dir} has no ZeRO optimizer files (*_optim_states.pt): the universal format "
-                         "converts ZeRO stage 1-3 checkpoints")
-    return saved, saved.model_files
+def _full_states(source: CheckpointSource, shapes: dict[str, torch.Size],
+                 chunk_bytes: int) -> Iterator[tuple[list[str], FullOptimizerState]]:
+    """The whole model's state a chunk at a time. An MoE checkpoint is read whole, through the
+    resharded load's exporter, which names each expert by its global id ([Note: MoE stage-3
+    reshard]): its partitions follow per-parameter group sizes the chunk windows do not model."""
+    if source.moe:
+        full = export_full_state(source.saved[0], source.model_states[0])
+        shapes.update({name: value.shape for name, value in full.fp32.items()})
+        yield list(full.fp32), full
+        return
+    for chunk in _chunks(shapes, chunk_bytes):
+        yield chunk, source.combine([_export_chunk(saved, model_state, chunk)
+                                     for saved, model_state in zip(source.saved, source.model_states)])
 
 
 def _chunks(shapes: dict[str, torch.Size], chunk_bytes: int) -> Iterator[list[str]]:
@@ -175,28 +172,34 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _write_params(writer: UniversalFolderWriter, full: FullOptimizerState, chunk: list[str],
-                  shapes: dict[str, torch.Size], strict: bool) -> None:
+                  shapes: dict[str, torch.Size], strict: bool, record: dict[str, list[int]]) -> None:
+    """`cat_dim` is the dimension a split parameter's tp pieces were joined along (DeepSpeed's meaning)."""
     for name in chunk:
+        cat_dim = record.get(name, [0])[0]
         if name not in full.fp32:
             raise ValueError(f"parameter {name!r} of param_shapes has no fp32 partition in the optim files")
         value = full.fp32[name]
         if strict and value.shape != shapes[name]:
             raise ValueError(f"parameter {name!r}: merged shape {tuple(value.shape)}, param_shapes says "
                              f"{tuple(shapes[name])}")
-        writer.save(state_file(name, FP32), {PARAM: _owned(value), CAT_DIM: 0})
+        writer.save(state_file(name, FP32), {PARAM: _owned(value), CAT_DIM: cat_dim})
         for key, moment in full.moments.get(name, {}).items():
-            writer.save(state_file(name, key), {PARAM: _owned(moment), CAT_DIM: 0})
+            writer.save(state_file(name, key), {PARAM: _owned(moment), CAT_DIM: cat_dim})
         step = full.scalars.get(name, {}).get(STEP)
         if step is not None:
             writer.save(state_file(name, STEP), _owned(step) if torch.is_tensor(step) else step)
 
 
-def _write_module_entries(writer: UniversalFolderWriter, model_state: dict[str, Any],
-                          shapes: dict[str, torch.Size]) -> None:
-    """Entries of the module the optimizer does not hold (frozen params, buffers): fp32.pt only."""
-    for name, tensor in (model_state.get(C.MODULE) or {}).items():
-        if name not in shapes and torch.is_tensor(tensor) and tensor.numel() > 0:
-            writer.save(state_file(name, FP32), {PARAM: _owned(tensor.float())})
+def _write_module_entries(writer: UniversalFolderWriter, source: CheckpointSource, shapes: dict[str, torch.Size]) -> None:
+    """Entries of the module the optimizer does not hold (frozen params, buffers): fp32.pt only,
+    a split frozen parameter joined from every tp rank's model file."""
+    modules = [model_state.get(C.MODULE) or {} for model_state in source.model_states]
+    for name, tensor in modules[0].items():
+        if name in shapes or not torch.is_tensor(tensor) or tensor.numel() == 0:
+            continue
+        split = source.record.get(name)
+        value = tensor if split is None else join_pieces([module[name] for module in modules], *split)
+        writer.save(state_file(name, FP32), {PARAM: _owned(value.float())})
 
 
 def _optimizer_state(saved: SavedLayout) -> dict[str, Any]:

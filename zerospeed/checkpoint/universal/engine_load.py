@@ -5,17 +5,18 @@ counters, the scheduler and the client state come from the folder's model-states
 rank's, or dp rank 0's when the run has more ranks than the writer); the parameters and the
 optimizer state come from `zero/<param>/*.pt` as one more source of the full state
 ([Note: full layout]), which the optimizer's `load_full_state` cuts for this run's stage and
-data-parallel size, as a resharded load does. Persistent buffers are restored from the
-model-states file (DeepSpeed leaves them at their initial values). The engine is handed in;
-nothing here imports the runtime.
+data-parallel size, as a resharded load does. What the run's file set adds is asked of its
+`WeightFiles` ([Note: weight files]): the model-states file to read (a pipeline stage beyond the
+saved stage count reads stage 0's), the module's other state (persistent buffers from the
+model-states file, which DeepSpeed leaves at their initial values; a pipeline's layer files,
+keyed by global layer index), each parameter's whole shape and this rank's cut of it (AutoTP:
+its tp pieces). The engine is handed in; nothing here imports the runtime.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
-
-import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint import constants as C
@@ -38,26 +39,23 @@ def read_latest_universal(load_dir: str) -> str:
 def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True,
                               load_lr_scheduler_states: bool = True,
                               load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
-    if engine.parallel_layout.pipe > 1:   # docs/checkpointing.md, universal checkpoints
-        raise NotImplementedError("checkpoint.load_universal: universal checkpoints do not load into a "
-                                  "pipeline engine yet")
     folder = resolve_tag_dir(load_dir, read_latest_universal(load_dir) if tag is None else str(tag))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"universal checkpoint directory {folder} does not exist")
     ctx = engine._checkpoint_context()
-    if ctx.has_moe_layers or ctx.tp_shards is not None:
-        what = "MoE" if ctx.has_moe_layers else "AutoTP"
-        raise NotImplementedError(f"loading a universal checkpoint into an {what} model is not implemented yet")
     reader = CheckpointReader(folder)   # its manifest: every file present, each read checksummed
-    model_path = engine._weight_files().model_file(ctx, reader)
+    weight_files = engine._weight_files()
+    model_path = weight_files.universal_model_file(ctx, reader)
     model_state = reader.load(model_path)
+    weight_files.load_universal_module(ctx, reader, model_state)   # buffers; a pipeline's layer files
     with_optimizer = load_optimizer_states and not load_module_only
     names = full_state_names(ctx.param_names)
-    shapes = {names[name]: torch.Size(getattr(param, "ds_shape", param.shape))
+    # the folder holds every parameter whole; an AutoTP run cuts its tp pieces from it, then the
+    # optimizer its own partition, as a resharded load does
+    shapes = {names[name]: weight_files.universal_shape(name, param)
               for param, name in ctx.param_names.items() if param.requires_grad}
-    full = read_universal_state(folder, shapes, load_moments=with_optimizer)
+    full = weight_files.own_universal_state(ctx, read_universal_state(folder, shapes, load_moments=with_optimizer))
     ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=with_optimizer)
-    _load_buffers(engine.module, model_state.get(C.MODULE) or {})
     loaded_scheduler = False
     if not load_module_only:
         loaded_scheduler = engine._load_scheduler(model_state, load_lr_scheduler_states)
@@ -66,11 +64,3 @@ def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimiz
     excluded = set(C.CLIENT_STATE_EXCLUDED_KEYS) | ({C.OPTIMIZER} if with_optimizer else set())
     excluded |= {C.LR_SCHEDULER} if loaded_scheduler else set()
     return model_path, {key: value for key, value in model_state.items() if key not in excluded}
-
-
-@torch.no_grad()
-def _load_buffers(module: torch.nn.Module, saved: dict[str, Any]) -> None:
-    buffers = dict(module.named_buffers())
-    for name, value in saved.items():
-        if name in buffers and torch.is_tensor(value) and value.shape == buffers[name].shape:
-            buffers[name].copy_(value)

@@ -14,7 +14,8 @@ partition or stage count reads them as they are. Each stage's data-parallel rank
 layers (DeepSpeed's default; `checkpoint.parallel_write.pipeline_stage` spreads them over the
 data-parallel ranks). The optimizer state follows the one rule: the same layout (stage count, ZeRO
 stage, data-parallel size of partitioned state) loads each rank's own files; another one is
-refused (resharding pipeline optimizer state is not implemented); the weights load under any layout.
+refused (resharding pipeline optimizer state directly is not implemented: a universal folder of the
+checkpoint, `ds_to_universal`, loads at any stage count and dp size); the weights load under any layout.
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ class PipelineLayerFiles(WeightFiles):
                     model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn is not supported with pipeline parallelism (as DeepSpeed)")
+        self._load_layers(reader, strict)
+
+    def universal_model_file(self, ctx: CheckpointContext, reader: CheckpointReader) -> str:
+        """This stage's model-states file, or stage 0's where the folder was saved with fewer stages
+        (the counters and the scheduler are the same in every stage's)."""
+        path = reader.path(model_states_name(0, mp_rank=ctx.mp_rank))
+        return path if os.path.isfile(path) else reader.path(model_states_name(0, mp_rank=0))
+
+    def load_universal_module(self, ctx: CheckpointContext, reader: CheckpointReader,
+                              model_state: dict[str, Any]) -> None:
+        """The layer files zerospeed's converter copies into the folder, keyed by global layer index:
+        buffers and frozen weights of any partition (the trained weights then come from `zero/`).
+        DeepSpeed's converter copies none: the layers then keep their initial buffers, as DeepSpeed."""
+        self._load_layers(reader, strict=True, required=False)
+
+    def _load_layers(self, reader: CheckpointReader, strict: bool, required: bool = True) -> None:
         tag_dir = reader.tag_dir
         rank_repr = self.module.topology().get_rank_repr(rank=self.global_rank)
         for local_index, layer in enumerate(self.module.forward_funcs):
@@ -89,6 +106,8 @@ class PipelineLayerFiles(WeightFiles):
             path = self.module.ckpt_layer_path(tag_dir, local_index)
             if not os.path.isfile(path):
                 found = sorted(glob.glob(os.path.join(tag_dir, os.path.basename(path).split("-")[0] + "-*model_states.pt")))
+                if not found and not required:
+                    continue
                 if len(found) != 1:
                     raise FileNotFoundError(f"no layer file {path} (found {found}); rank {rank_repr or 'plain'}")
                 path = found[0]
@@ -106,7 +125,8 @@ class PipelineLayerFiles(WeightFiles):
         raise ValueError(f"pipeline checkpoint {reader.tag_dir} holds optimizer state of ZeRO stage {saved.zero_stage} "
                          f"over {model_state.get(C.DP_WORLD_SIZE)} data-parallel ranks, this run's is laid out as "
                          f"{ctx.optimizer.checkpoint_layout()} on {ctx.dp_world_size}: resharding pipeline optimizer "
-                         "state is not implemented; pass load_optimizer_states=False to load the weights only")
+                         "state directly is not implemented: convert it with ds_to_universal and load it with "
+                         "checkpoint.load_universal, or pass load_optimizer_states=False to load the weights only")
 
 
 class PipelineCheckpointing:

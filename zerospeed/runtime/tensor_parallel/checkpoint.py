@@ -14,7 +14,8 @@ At ZeRO-3 every rank writes ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt
 are placeholders, as DeepSpeed's) and its optim file, whose flat partitions hold the weights. Such a
 checkpoint loads at its own tp size (any dp size, through ZeRO-3's own resharding); at another tp
 size, or a stage-0-2 checkpoint at another tp size into a stage-3 run, is refused with the sizes
-(`check_tp_reshard`): `zero_to_fp32` gives the full weights of either, to load into the new run.
+(`check_tp_reshard`): a universal folder of it (`ds_to_universal`, then `load_universal`) loads at
+any tp size, optimizer state included, and `zero_to_fp32` gives the full weights.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint.constants import TP_SHARDS_KEY
+from zerospeed.checkpoint.tp_pieces import join_pieces, saved_tp_size
 from zerospeed.runtime.tensor_parallel.state_dict import shard_state_dict, split_params
 
 __all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
@@ -35,16 +37,6 @@ __all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_
 def shard_record(module: torch.nn.Module) -> dict[str, list[int]]:
     """name -> [dim, fused parts] of every split parameter (plain types, for the model file)."""
     return {name: [shard.dim, shard.fused_parts] for name, shard in split_params(module).items()}
-
-
-def saved_tp_size(model_state: dict[str, Any]) -> int:
-    return int(model_state.get("mp_world_size") or 1)
-
-
-def join_pieces(pieces: list[torch.Tensor], dim: int, fused_parts: int) -> torch.Tensor:
-    """The full tensor from every tp rank's piece (in tp-rank order): each fused part is split on its own."""
-    per_rank = [piece.chunk(fused_parts, dim=dim) for piece in pieces]
-    return torch.cat([torch.cat([chunks[part] for chunks in per_rank], dim=dim) for part in range(fused_parts)], dim=dim)
 
 
 def merge_tp_module_states(states: list[dict[str, Any]], record: dict[str, list[int]]) -> dict[str, Any]:
@@ -75,8 +67,9 @@ def check_tp_reshard(tag_dir: str, saved_tp: int, current_tp: int, weights_parti
     if saved_stage3 or weights_partitioned:
         side = "saved at ZeRO stage 3" if saved_stage3 else "loaded into a ZeRO stage 3 run"
         raise ValueError(f"checkpoint {tag_dir} was saved at tensor_parallel.autotp_size {saved_tp} and is "
-                         f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported: "
-                         "load it at its own tp size, or take the full weights with zero_to_fp32 "
+                         f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported "
+                         "directly: load it at its own tp size, convert it with ds_to_universal and load it "
+                         "with checkpoint.load_universal, or take the full weights with zero_to_fp32 "
                          "(get_fp32_state_dict_from_zero_checkpoint) and load those")
 
 

@@ -28,11 +28,12 @@ import torch
 from zerospeed.checkpoint.full_state import FullOptimizerState
 from zerospeed.checkpoint.layout import model_states_name
 from zerospeed.checkpoint.zero_checkpoint import discover, export_full_state
-from zerospeed.runtime.tensor_parallel.checkpoint import join_pieces, saved_shard_record, saved_tp_size
+from zerospeed.checkpoint.tp_pieces import join_tp_states
+from zerospeed.runtime.tensor_parallel.checkpoint import saved_shard_record, saved_tp_size
 from zerospeed.runtime.tensor_parallel.layers import shard_of
 from zerospeed.runtime.tensor_parallel.state_dict import split_params
 
-__all__ = ["tp_resharded_optimizer_state"]
+__all__ = ["cut_tp_pieces", "tp_resharded_optimizer_state"]
 
 
 def tp_resharded_optimizer_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str, Any], bf16: bool,
@@ -43,8 +44,8 @@ def tp_resharded_optimizer_state(module: torch.nn.Module, tag_dir: str, model_st
     saved_tp = saved_tp_size(model_state)
     record = saved_shard_record(tag_dir, model_state)
     per_rank = [_export_tp_rank(tag_dir, mp_rank, bf16, load) for mp_rank in range(saved_tp)]
-    full = _join(per_rank, record)
-    return _cut(full, module)
+    full = join_tp_states(per_rank, record)
+    return cut_tp_pieces(full, module)
 
 
 def _export_tp_rank(tag_dir: str, mp_rank: int, bf16: bool, load: Callable[[str], dict[str, Any]]) -> FullOptimizerState:
@@ -58,20 +59,7 @@ def _export_tp_rank(tag_dir: str, mp_rank: int, bf16: bool, load: Callable[[str]
     return export_full_state(saved, load(path))
 
 
-def _join(per_rank: list[FullOptimizerState], record: dict[str, list[int]]) -> FullOptimizerState:
-    first = per_rank[0]
-    full = FullOptimizerState(scalars=first.scalars, param_groups=first.param_groups,
-                              loss_scaler=first.loss_scaler, overflow=any(s.overflow for s in per_rank))
-    for name, master in first.fp32.items():
-        split = record.get(name)
-        full.fp32[name] = master if split is None else join_pieces([s.fp32[name] for s in per_rank], *split)
-        for key, moment in first.moments.get(name, {}).items():
-            pieces = [s.moments[name][key] for s in per_rank]
-            full.moments.setdefault(name, {})[key] = moment if split is None else join_pieces(pieces, *split)
-    return full
-
-
-def _cut(full: FullOptimizerState, module: torch.nn.Module) -> FullOptimizerState:
+def cut_tp_pieces(full: FullOptimizerState, module: torch.nn.Module) -> FullOptimizerState:
     split = split_params(module)
 
     def mine(name: str, tensor: torch.Tensor) -> torch.Tensor:

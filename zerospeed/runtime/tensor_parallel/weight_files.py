@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zerospeed.checkpoint import constants as C
 from zerospeed.checkpoint.context import CheckpointContext
 from zerospeed.checkpoint.full_state import FullOptimizerState
 from zerospeed.checkpoint.reader import CheckpointReader
+from zerospeed.checkpoint.tp_pieces import full_shape
 from zerospeed.checkpoint.weight_files import WeightFiles
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
 from zerospeed.runtime.tensor_parallel.checkpoint import check_tp_reshard, saved_tp_size, tp_module_state
-from zerospeed.runtime.tensor_parallel.optimizer_reshard import tp_resharded_optimizer_state
+from zerospeed.runtime.tensor_parallel.optimizer_reshard import cut_tp_pieces, tp_resharded_optimizer_state
+from zerospeed.runtime.tensor_parallel.state_dict import split_params
 
 __all__ = ["ShardedWeightFiles"]
 
@@ -47,3 +51,12 @@ class ShardedWeightFiles(WeightFiles):
         if saved_tp_size(model_state) == self.tp_size:
             return super().full_state(ctx, reader, saved, model_state)
         return tp_resharded_optimizer_state(ctx.module, saved.tag_dir, model_state, self.bf16, reader.load)
+
+    def universal_shape(self, name: str, param: torch.nn.Parameter) -> torch.Size:
+        """A split parameter's full shape: its piece's, times the tp size along the split dimension."""
+        shard = getattr(param, "ds_tp_shard", None)
+        piece = super().universal_shape(name, param)
+        return piece if shard is None else full_shape(piece, [shard.dim, shard.fused_parts], shard.tp_size)
+
+    def own_universal_state(self, ctx: CheckpointContext, full: FullOptimizerState) -> FullOptimizerState:
+        return cut_tp_pieces(full, ctx.module) if split_params(ctx.module) else full
