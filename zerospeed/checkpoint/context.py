@@ -1,6 +1,6 @@
 """`CheckpointContext`: everything the checkpoint code reads of a training run, in one typed value.
 
-The engine builds it in one place (`EngineCheckpointing._checkpoint_context`) at each save and
+The engine builds it in one place (`EngineCheckpointer.context`, runtime/engine_checkpointer.py) at each save and
 load, so `checkpoint/` depends on this small record and on the optimizer's checkpoint contract
 ([Note: checkpoint contract] in checkpoint/contract.py), never on the engine itself.
 Counters are the values at the moment it was built; a load writes them back on the engine.

@@ -1,7 +1,7 @@
 """`WeightFiles`: where a checkpoint keeps the module's weights, the part of the one save / load sequence a feature contributes.
 
 [Note: weight files]
-The engine's `save_checkpoint` and `load_checkpoint` (runtime/engine_checkpointing.py) are one
+The engine's `save_checkpoint` and `load_checkpoint` (runtime/engine_checkpointer.py) are one
 sequence for every run. What differs between features is which files hold the module's weights
 and how they come back, and each feature says so by the `WeightFiles` it hands the sequence, never
 by a branch in it:

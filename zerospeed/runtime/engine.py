@@ -20,7 +20,7 @@ from zerospeed.comm import groups
 from zerospeed.runtime.config import DeepSpeedConfig, load_ds_config
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
-from zerospeed.runtime.engine_checkpointing import EngineCheckpointing
+from zerospeed.runtime.engine_checkpointer import CheckpointSite, EngineCheckpointer, plain_checkpoint_site
 from zerospeed.runtime.engine_client_api import EngineClientAPI
 from zerospeed.runtime.engine_moe import broadcast_expert_params, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
@@ -51,7 +51,7 @@ NO_OPTIMIZER = ("this engine has no optimizer: deepspeed.initialize got no `opti
                 "not {}(); pass an optimizer to train")
 
 
-class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -93,6 +93,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
             self.optimizer = build_parameter_offload(self._config, self.precision, self.dp_group,
                                                      self.param_names, self.module)
         self._init_monitoring()
+        self.checkpointer = EngineCheckpointer(self, self._checkpoint_site)
 
     # --- setup ------------------------------------------------------------------------------------
     def _init_parallel_groups(self, raw: dict[str, Any], mpu: Any, tp_dp_group: Any) -> None:
@@ -307,6 +308,21 @@ class DeepSpeedEngine(EngineTensorParallel, EngineCheckpointing, EngineClientAPI
     def eval(self) -> DeepSpeedEngine:
         self.module.eval()
         return self
+
+    # --- checkpoints (runtime/engine_checkpointer.py) ------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] = {},  # noqa: B006
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        return self.checkpointer.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _checkpoint_site(self) -> CheckpointSite:
+        """Where this rank's checkpoint files go (the pipeline engine has its own)."""
+        return plain_checkpoint_site(self.module, self.tensor_parallel, self.dp_group, self.bfloat16_enabled())
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for lp params, grads, fp32 masters and optimizer states (ours)."""

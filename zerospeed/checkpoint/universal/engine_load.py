@@ -10,7 +10,7 @@ data-parallel size, as a resharded load does. What the run's file set adds is as
 saved stage count reads stage 0's), the module's other state (persistent buffers from the
 model-states file, which DeepSpeed leaves at their initial values; a pipeline's layer files,
 keyed by global layer index), each parameter's whole shape and this rank's cut of it (AutoTP:
-its tp pieces). The engine is handed in; nothing here imports the runtime.
+its tp pieces). The engine's checkpointer is handed in; nothing here imports the runtime.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ def read_latest_universal(load_dir: str) -> str:
     return tag
 
 
-def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True,
+def load_universal_checkpoint(checkpointer: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True,
                               load_lr_scheduler_states: bool = True,
                               load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
     folder = resolve_tag_dir(load_dir, read_latest_universal(load_dir) if tag is None else str(tag))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"universal checkpoint directory {folder} does not exist")
-    ctx = engine._checkpoint_context()
+    site = checkpointer.site()
+    ctx = checkpointer.context(site)
     reader = CheckpointReader(folder)   # its manifest: every file present, each read checksummed
-    weight_files = engine._weight_files()
+    weight_files = site.weight_files
     model_path = weight_files.universal_model_file(ctx, reader)
     model_state = reader.load(model_path)
     weight_files.load_universal_module(ctx, reader, model_state)   # buffers; a pipeline's layer files
@@ -58,9 +59,9 @@ def load_universal_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimiz
     ctx.optimizer.load_full_state(full, ctx.param_names, load_optimizer_states=with_optimizer)
     loaded_scheduler = False
     if not load_module_only:
-        loaded_scheduler = engine._load_scheduler(model_state, load_lr_scheduler_states)
-        engine._load_counters(model_state)
-    comm.barrier(engine._checkpoint_group())
+        loaded_scheduler = checkpointer.load_scheduler(model_state, load_lr_scheduler_states)
+        checkpointer.load_counters(model_state)
+    comm.barrier(site.group)
     excluded = set(C.CLIENT_STATE_EXCLUDED_KEYS) | ({C.OPTIMIZER} if with_optimizer else set())
     excluded |= {C.LR_SCHEDULER} if loaded_scheduler else set()
     return model_path, {key: value for key, value in model_state.items() if key not in excluded}

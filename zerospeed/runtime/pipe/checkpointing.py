@@ -5,9 +5,9 @@
                                                        counters, scheduler, stage-0 optimizer state
     <tag>/[bf16_]zero_pp_rank_D_mp_rank_SS_optim_states.pt   ZeRO >= 1: one per stage and dp rank
 
-`PipelineEngine` saves and loads through the engine's one sequence (runtime/engine_checkpointing.py,
+`PipelineEngine` saves and loads through the engine's one sequence (runtime/engine_checkpointer.py,
 [Note: weight files] in checkpoint/weight_files.py, the manifest checked first like every load);
-what it contributes is `PipelineLayerFiles`, where the weights are, and its model-parallel rank
+what it contributes is its `CheckpointSite`: `PipelineLayerFiles`, where the weights are, and its model-parallel rank
 (the stage's, which names its model-states and optim files). Layer files are keyed by the
 *global* layer index, so they do not depend on how the layers were partitioned: a run with another
 partition or stage count reads them as they are. Each stage's data-parallel rank 0 writes its
@@ -33,9 +33,10 @@ from zerospeed.checkpoint.layout import model_states_name
 from zerospeed.checkpoint.reader import CheckpointReader
 from zerospeed.checkpoint.weight_files import WeightFiles
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout
+from zerospeed.runtime.engine_checkpointer import CheckpointSite
 from zerospeed.runtime.pipe.partition import partition_uniform
 
-__all__ = ["PipelineCheckpointing", "PipelineLayerFiles"]
+__all__ = ["PipelineLayerFiles", "pipeline_checkpoint_site"]
 
 
 def _layer_state(layer: Any, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
@@ -129,34 +130,21 @@ class PipelineLayerFiles(WeightFiles):
                          "checkpoint.load_universal, or pass load_optimizer_states=False to load the weights only")
 
 
-class PipelineCheckpointing:
-    """Mixin of PipelineEngine: what the pipeline contributes to the engine's checkpoint sequence."""
+def pipeline_checkpoint_site(engine: Any) -> CheckpointSite:
+    """A pipeline stage's site: the stage's model-parallel rank names its model-states and optim
+    files, and every stage writes into the one tag directory (the whole world commits it)."""
+    grid = engine.grid
+    weights = PipelineLayerFiles(
+        engine.bfloat16_enabled(), engine.module, _layers_to_write(engine), engine.global_rank,
+        mp_world_size=grid.get_model_parallel_world_size(),
+        parallel_dims={"pp_degree": engine.num_stages, "tp_degree": grid.get_slice_parallel_world_size()})
+    return CheckpointSite(int(grid.get_model_parallel_rank()), None, weights)
 
-    grid: Any
-    module: Any
-    global_rank: int
-    num_stages: int
-    _config: Any
-    bfloat16_enabled: Any
 
-    def _checkpoint_mp_rank(self) -> int:
-        """The stage's model-parallel rank: it names the stage's model-states and optim files."""
-        return int(self.grid.get_model_parallel_rank())
-
-    def _checkpoint_group(self) -> Any:
-        """Every stage writes into the one tag directory: the whole world commits it."""
-        return None
-
-    def _weight_files(self) -> PipelineLayerFiles:
-        return PipelineLayerFiles(
-            self.bfloat16_enabled(), self.module, self._layers_to_write(), self.global_rank,
-            mp_world_size=self.grid.get_model_parallel_world_size(),
-            parallel_dims={"pp_degree": self.num_stages, "tp_degree": self.grid.get_slice_parallel_world_size()})
-
-    def _layers_to_write(self) -> list[tuple[int, Any]]:
-        local = list(zip(range(len(self.module.forward_funcs)), self.module.forward_funcs))
-        dp_rank, dp_size = self.grid.get_data_parallel_rank(), self.grid.get_data_parallel_world_size()
-        if self._config.checkpoint_config.parallel_write.pipeline_stage:
-            bounds = partition_uniform(len(local), dp_size)
-            return local[bounds[dp_rank]:bounds[dp_rank + 1]]
-        return local if dp_rank == 0 else []
+def _layers_to_write(engine: Any) -> list[tuple[int, Any]]:
+    local = list(zip(range(len(engine.module.forward_funcs)), engine.module.forward_funcs))
+    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    if engine._config.checkpoint_config.parallel_write.pipeline_stage:
+        bounds = partition_uniform(len(local), dp_size)
+        return local[bounds[dp_rank]:bounds[dp_rank + 1]]
+    return local if dp_rank == 0 else []

@@ -22,7 +22,8 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.engine import DeepSpeedEngine
-from zerospeed.runtime.pipe.checkpointing import PipelineCheckpointing
+from zerospeed.runtime.engine_checkpointer import CheckpointSite
+from zerospeed.runtime.pipe.checkpointing import pipeline_checkpoint_site
 from zerospeed.runtime.pipe.executor import StageExecutor
 from zerospeed.runtime.pipe.instructions import PipeInstruction
 from zerospeed.runtime.pipe.module import PipelineError, PipelineModule
@@ -37,7 +38,7 @@ _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."
 _SCHEDULES = {"1f1b": TrainSchedule, "gpipe": GPipeSchedule, "interleaved_1f1b": Interleaved1F1BSchedule}
 
 
-class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
+class PipelineEngine(DeepSpeedEngine):
     def __init__(self, *args: Any, has_bool_tensors: bool = False, **kwargs: Any) -> None:
         model = kwargs.get("model")
         if not isinstance(model, PipelineModule):
@@ -66,6 +67,9 @@ class PipelineEngine(PipelineCheckpointing, DeepSpeedEngine):
         logger.info("RANK=%d STAGE=%d LAYERS=%d [%d, %d) STAGE_PARAMS=%d", self.global_rank, self.stage_id,
                     len(model.forward_funcs), model._local_start, model._local_stop,
                     sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+    def _checkpoint_site(self) -> CheckpointSite:
+        return pipeline_checkpoint_site(self)
 
     @property
     def _pipe_module(self) -> PipelineModule:
