@@ -65,7 +65,7 @@ class _OpTimer(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.totals: dict[str, float] = collections.Counter()
+        self.totals: dict[str, float] = collections.defaultdict(float)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         start = time.thread_time()

@@ -29,9 +29,9 @@ bucket to the next every backward. Allocated fresh per bucket they were mapped a
 anew whenever glibc had returned the previous ones (a block above its mmap threshold): on the
 49.6M GPT ~13 buckets a step of 16 + 16 + 8 MiB, 8-45k minor faults a step where DDP, whose
 buckets live for the run, faulted ~0-8k (issue 33). So each of the three comes from a
-`ScratchSlots` of `MAX_OUTSTANDING + 1` buffers (one with `overlap_comm` off), taken in turn: the
-reduction that last used a slot is at least `MAX_OUTSTANDING + 1` submissions old, so the
-in-flight bound has already finished it. A slot grows to the largest use it has seen and then
+`ScratchSlots` of `MAX_OUTSTANDING + 1` buffers (one with `overlap_comm` off), taken in turn from
+slot 0 each backward: the reduction that last used a slot is at least `MAX_OUTSTANDING + 1`
+submissions old, so the in-flight bound has already finished it. A slot grows to the largest use it has seen and then
 stays: one bucket's worth of each scratch lives for the run (three with `overlap_comm`), what
 was transiently resident at every bucket before.
 
@@ -107,6 +107,11 @@ class ScratchSlots:
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
             buffer = self._buffers[slot] = torch.empty(numel, dtype=dtype, device=device)
         return buffer.narrow(0, 0, numel)
+
+    def restart(self) -> None:
+        """Nothing is in flight: the next take is slot 0's, so every backward maps its buckets to
+        the same slots and each slot reaches its size in the first one."""
+        self._next = 0
 
     def allocated(self) -> list[torch.Tensor]:
         return [b for b in self._buffers if b is not None]
@@ -210,6 +215,8 @@ class GradReducer:
 
     def wait_all(self) -> None:
         self._in_flight.drain()
+        self._received.restart()
+        self._summed.restart()
 
     def _store(self, dest: torch.Tensor, reduced: torch.Tensor, accumulate: bool) -> None:
         if self.sink is not None:
@@ -329,6 +336,7 @@ class GradientBuckets:
         if self._entries:
             self._reduce_bucket()
         self.reducer.wait_all()
+        self._bucket_slots.restart()
         self._arrived.clear()
 
     def _reduce_bucket(self) -> None:
