@@ -77,9 +77,9 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
         cpu0, main0, os0 = time.process_time(), time.thread_time(), os.times()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = forward(x, y)
-        main1 = time.thread_time()
+        main1, faults1 = time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         backward(loss)
-        main2 = time.thread_time()
+        main2, faults2 = time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step()
         main3, cpu1, os1 = time.thread_time(), time.process_time(), os.times()
         if index >= spec.warmup:
@@ -87,7 +87,8 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
                                ("main: backward", main2 - main1), ("main: step", main3 - main2),
                                ("gloo threads", (cpu1 - cpu0) - (main3 - main0)),
                                ("system time", os1.system - os0.system),
-                               ("minor faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0)):
+                               ("faults: forward", faults1 - faults0), ("faults: backward", faults2 - faults1),
+                               ("faults: step", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults2)):
                 sums[key] += value
     num_steps = spec.steps - spec.warmup
     figures = {k: v / num_steps for k, v in {**sums, **totals}.items()}
@@ -107,7 +108,7 @@ def main() -> None:
                        micro_batch=MICRO_BATCH.get(args.model, 4))
         for label, rank, figures in sorted(harness.spawn_ranks(_worker, 2, spec, label=spec.label, num_results=2)):
             print(f"{label} rank {rank}: " + ", ".join(
-                f"{k} {v:.0f}" if k == "minor faults" else f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()),
+                f"{k} {v:.0f}" if k.startswith("faults") else f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()),
                 flush=True)
 
 
