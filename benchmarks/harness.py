@@ -41,8 +41,10 @@ MODELS = {  # GPT-2-style, byte-level, tied LM head
     # issue 21's shapes: few wide layers, where per-layer buffers (not layer count) set the costs
     "wide4": dict(n_layer=4, n_head=6, n_embd=384, block_size=128),     # 7.25M params
     "wide10": dict(n_layer=10, n_head=10, n_embd=640, block_size=256),  # 49.6M params
+    # issue 33: GPT-2's vocabulary on wide4's body, where the (tied) embedding dominates (26.6M params)
+    "vocab50k": dict(n_layer=4, n_head=6, n_embd=384, block_size=128, vocab_size=50304),
 }
-MICRO_BATCH = {"wide4": 8}  # per model; 4 otherwise
+MICRO_BATCH = {"wide4": 8, "vocab50k": 8}  # per model; 4 otherwise
 
 
 @dataclasses.dataclass

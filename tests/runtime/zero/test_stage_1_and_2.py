@@ -465,3 +465,23 @@ def _ignored_option_warns():
 
 def test_an_unimplemented_option_warns():
     run_on_ranks(_ignored_option_warns, 1)
+
+
+# --- reused stage-2 scratch ([Note: stage-2 scratch reuse] in grad_buckets.py) ---------------------
+
+def _scratch_after_steps(overlap_comm):
+    model, optimizer = _build(2, reduce_bucket_size=8, overlap_comm=overlap_comm)
+    _train(model, optimizer, gas=2, num_steps=1)
+    first = optimizer.buckets.scratch_buffers()          # held: a fresh buffer cannot take their address
+    _train(model, optimizer, gas=2, num_steps=2)
+    later = optimizer.buckets.scratch_buffers()
+    return len(first), optimizer.reducer.num_scratch_slots, len(later), all(a is b for a, b in zip(first, later))
+
+
+@pytest.mark.parametrize("overlap_comm", [True, False])
+def test_stage2_steps_allocate_no_new_bucket_buffers(overlap_comm):
+    """Bucket, receive and sum buffers are allocated in the first step and reused by every later
+    bucket: one of each per reduction that may be in flight, plus the one filling."""
+    num_first, num_slots, num_later, same = run_on_ranks(_scratch_after_steps, 2, overlap_comm)[0]
+    assert num_slots == (3 if overlap_comm else 1)
+    assert num_first == 3 * num_slots and num_later == num_first and same

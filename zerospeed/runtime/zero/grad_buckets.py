@@ -23,6 +23,18 @@ bucket is already the `all_to_all_single` input, with no owner-ordered copy (one
 the peak, one memcpy less per bucket). Any other order (several param groups, a graph that
 produces gradients out of order) falls back to that copy.
 
+[Note: stage-2 scratch reuse] A bucket, the buffer its owner-ordered slices are received in and
+their sum over ranks are scratch of up to `MAX_BUCKET_NUMEL` elements each, needed from one
+bucket to the next every backward. Allocated fresh per bucket they were mapped and first-touched
+anew whenever glibc had returned the previous ones (a block above its mmap threshold): on the
+49.6M GPT ~13 buckets a step of 16 + 16 + 8 MiB, 8-45k minor faults a step where DDP, whose
+buckets live for the run, faulted ~0-8k (issue 33). So each of the three comes from a
+`ScratchSlots` of `MAX_OUTSTANDING + 1` buffers (one with `overlap_comm` off), taken in turn from
+slot 0 each backward: the reduction that last used a slot is at least `MAX_OUTSTANDING + 1`
+submissions old, so the in-flight bound has already finished it. A slot grows to the largest use it has seen and then
+stays: one bucket's worth of each scratch lives for the run (three with `overlap_comm`), what
+was transiently resident at every bucket before.
+
 Either way a step sends the trainable gradient volume once per reduction (the comms logger counts
 each bucket's input) and, with `overlap_comm`, runs asynchronously while backward continues: two
 reductions stay in flight while the next bucket fills (`MAX_OUTSTANDING`, [Note: in-flight
@@ -59,7 +71,7 @@ from zerospeed.runtime.zero.offload.host_grads import HostGradientSink
 from zerospeed.runtime.zero.partition import GroupLayout, Slab, owner_fragments, slab_real_numel
 
 __all__ = ["GradReducer", "GradientBuckets", "MAX_BUCKET_NUMEL", "MAX_OUTSTANDING", "OwnedSlice",
-           "reduce_flat_gradients"]
+           "ScratchSlots", "reduce_flat_gradients"]
 
 # Reductions still in flight while the next bucket fills (stages 1/2; stage 3 keeps one).
 MAX_OUTSTANDING = 2
@@ -80,6 +92,31 @@ class OwnedSlice:
     dest: torch.Tensor | None             # this rank's gradient partition slice, if it owns it
 
 
+class ScratchSlots:
+    """`num_slots` flat buffers of one dtype taken in turn ([Note: stage-2 scratch reuse]); each
+    grows to the largest request it has served and is kept."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * num_slots
+        self._next = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The next slot's first `numel` elements (its earlier contents are stale)."""
+        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[slot] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer.narrow(0, 0, numel)
+
+    def restart(self) -> None:
+        """Nothing is in flight: the next take is slot 0's, so every backward maps its buckets to
+        the same slots and each slot reaches its size in the first one."""
+        self._next = 0
+
+    def allocated(self) -> list[torch.Tensor]:
+        return [b for b in self._buffers if b is not None]
+
+
 class GradReducer:
     def __init__(self, group: Any, settings: PrecisionSettings, use_reduce_scatter: bool,
                  overlap_comm: bool, sink: HostGradientSink | None = None,
@@ -94,6 +131,14 @@ class GradReducer:
         # world ([Note: expert gradient reduction] in runtime/expert_gradients.py).
         self.before, self.after = averaging_factors(settings, average_world_size or self.world_size)
         self._in_flight = InFlightQueue(MAX_OUTSTANDING if overlap_comm else 0)
+        # [Note: stage-2 scratch reuse]: one slot per reduction that may be alive at once.
+        self.num_scratch_slots = self._in_flight.max_outstanding + 1
+        self._received = ScratchSlots(self.num_scratch_slots)
+        self._summed = ScratchSlots(self.num_scratch_slots)
+
+    def scratch_buffers(self) -> list[torch.Tensor]:
+        """The receive and sum buffers kept between backwards (`offload_states`' scratch)."""
+        return self._received.allocated() + self._summed.allocated()
 
     def reduce(self, rows: torch.Tensor, dest: torch.Tensor) -> None:
         """Sum `rows` ([W * n], one row per rank) over ranks; this rank's row into `dest` ([n]).
@@ -128,8 +173,7 @@ class GradReducer:
 
     def reduce_to_owners(self, flat: torch.Tensor, slices: list[OwnedSlice], accumulate: bool = True) -> None:
         """Sum `flat` over ranks; add (or copy) each slice this rank owns into its `dest`. With
-        reduce-scatter, `flat` is freed once its owner-ordered copy is made, if the caller passed
-        its only reference."""
+        reduce-scatter, `flat` is released once its owner-ordered copy is made."""
         self._scale(flat, self.before)
         mine = [s for s in slices if s.dp_rank == self.dp_rank]
         keepalive: tuple[torch.Tensor, ...]   # what the collective reads or writes, until it is done
@@ -145,10 +189,11 @@ class GradReducer:
             for owned in slices:
                 send_splits[owned.dp_rank] += owned.numel
             mine_numel = send_splits[self.dp_rank]
-            received = torch.empty(self.world_size * mine_numel, dtype=send.dtype, device=send.device)
+            received = self._received.take(self.world_size * mine_numel, send.dtype, send.device)
+            total = self._summed.take(mine_numel, send.dtype, send.device)
             handle = comm.all_to_all_single(received, send, [mine_numel] * self.world_size, send_splits,
                                             group=self.group, async_op=self.overlap_comm)
-            summed = lambda: received.view(self.world_size, mine_numel).sum(dim=0)  # noqa: E731
+            summed = lambda: torch.sum(received.view(self.world_size, mine_numel), dim=0, out=total)  # noqa: E731
             starts, keepalive = list(itertools.accumulate((s.numel for s in mine), initial=0))[:-1], (send, received)
 
         def finish() -> None:
@@ -170,6 +215,8 @@ class GradReducer:
 
     def wait_all(self) -> None:
         self._in_flight.drain()
+        self._received.restart()
+        self._summed.restart()
 
     def _store(self, dest: torch.Tensor, reduced: torch.Tensor, accumulate: bool) -> None:
         if self.sink is not None:
@@ -237,7 +284,12 @@ class GradientBuckets:
         self.contiguous_gradients = contiguous_gradients
         self.accumulate = accumulate      # False: the reduced slices replace the partition (stage 1)
         self._arrived: set[tuple[int, int]] = set()
+        self._bucket_slots = ScratchSlots(reducer.num_scratch_slots)   # [Note: stage-2 scratch reuse]
         self._open_bucket()
+
+    def scratch_buffers(self) -> list[torch.Tensor]:
+        """Bucket, receive and sum buffers kept between backwards (`offload_states`' scratch)."""
+        return self._bucket_slots.allocated() + self.reducer.scratch_buffers()
 
     def _open_bucket(self) -> None:
         self._entries: list[tuple[int, int, int, int]] = []  # (group, param, elements before it, numel)
@@ -265,8 +317,7 @@ class GradientBuckets:
         flat = grad.detach().reshape(-1)
         if self.contiguous_gradients:
             if self._buffer is None:
-                self._buffer = torch.empty(max(self.bucket_numel, numel), dtype=self.comm_dtype,
-                                           device=grad.device)
+                self._buffer = self._bucket_slots.take(max(self.bucket_numel, numel), self.comm_dtype, grad.device)
             end = self._buffer.numel() - self._filled       # [Note: buckets fill from the end]
             self._buffer.narrow(0, end - numel, numel).copy_(flat)
         else:
@@ -285,13 +336,13 @@ class GradientBuckets:
         if self._entries:
             self._reduce_bucket()
         self.reducer.wait_all()
+        self._bucket_slots.restart()
         self._arrived.clear()
 
     def _reduce_bucket(self) -> None:
         slices = self._owned_slices()
-        # The reducer gets the only reference to the bucket, so when the bucket is not in owner
-        # order it can free it once the owner-ordered copy exists (two buckets at the peak, not
-        # three); usually it is in order and is sent as it is ([Note: buckets fill from the end]).
+        # Usually the bucket is in owner order and is sent as it is ([Note: buckets fill from the
+        # end]); its buffer is a reused slot ([Note: stage-2 scratch reuse]).
         self.reducer.reduce_to_owners(self._take_flat(), slices, self.accumulate)
         self._open_bucket()
 

@@ -374,13 +374,14 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
 
     def offloadable_state_tensors(self) -> StateTensors:
         """Every tensor object holding each state, views included ([Note: storage relocation] in
-        state_offload.py). No contiguous gradient buffer outlives a backward at these stages."""
+        state_offload.py); the stage-2 buckets' reused scratch ([Note: stage-2 scratch reuse] in
+        grad_buckets.py) as the contiguous gradient buffer."""
         masters, optim_states = self.placement.held_state([g.master for g in self.groups])
         return {OffloadStateTypeEnum.lp_params: [t for g in self.groups for t in (g.lp_flat, g.lp_partition, *g.params)],
                 OffloadStateTypeEnum.hp_params: masters,
                 OffloadStateTypeEnum.lp_grads: [t for g in self.groups for t in (g.grads, g.partition_grad)],
                 OffloadStateTypeEnum.optim_states: optim_states,
-                OffloadStateTypeEnum.contiguous_grad_buffer: []}
+                OffloadStateTypeEnum.contiguous_grad_buffer: [b for s in self._bucket_sets for b in s.scratch_buffers()]}
 
     def memory_breakdown(self) -> dict[str, int]:
         lp_storages = {g.lp_flat.untyped_storage().data_ptr() for g in self.groups}

@@ -1,0 +1,116 @@
+"""Per-phase CPU of one system's step, both ranks (issue 33): where a stage's CPU goes.
+
+    python benchmarks/overhead_phases.py --model wide10 --steps 5 --warmup 2 --systems ddp zerospeed-z0 zerospeed-z2
+
+Per rank and measured step (the harness's model, data and AdamW; 2 gloo ranks x 1 thread, fp32):
+process CPU (`process_time`, every thread), the main thread's CPU (`thread_time`) in forward,
+backward and step, the CPU of gloo's threads (process minus main thread), system time and minor
+page faults (`os.times`, `getrusage`), and the main thread's CPU inside the runtime's hot-path
+functions (gradient hooks and bucket copies, the reductions' launch and finish, the norm, the
+optimizer update, the all-gather), counted by wrapping them with `thread_time` (CPU, not wall:
+a rank blocked on a collective costs nothing here). Figures are means over the measured steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import harness
+from harness import MICRO_BATCH, MODELS, RunSpec
+
+# (module, class, method, label): the hot-path functions whose main-thread CPU is counted
+HOT_PATH = [
+    ("zerospeed.comm.in_flight", "InFlightQueue", "_finish_oldest", "finish reductions (wait + copy back / add)"),
+    ("zerospeed.runtime.overlapped_allreduce", "OverlappedAllReduce", "mark_ready", "stage 0 hooks (flatten + launch)"),
+    ("zerospeed.runtime.zero.grad_buckets", "GradientBuckets", "add_grad", "stage 1/2 hooks (bucket copy + launch)"),
+    ("zerospeed.runtime.zero.grad_buckets", "GradReducer", "reduce", "stage 1 slab reductions (launch)"),
+    ("zerospeed.runtime.data_parallel", "DataParallelOptimizer", "_scaled_global_norm", "norm"),
+    ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_scaled_global_norm", "norm"),
+    ("zerospeed.runtime.data_parallel", "DataParallelOptimizer", "_apply_update", "update (optimizer step)"),
+    ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_apply_update",
+     "update (optimizer step + all-gather)"),
+    ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "zero_grad", "zero_grad"),
+]
+
+
+def _count_cpu(totals: dict[str, float]) -> None:
+    import importlib
+
+    for module, cls_name, method, label in HOT_PATH:
+        cls = getattr(importlib.import_module(module), cls_name)
+        original = getattr(cls, method)
+
+        def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] += time.thread_time() - start
+        setattr(cls, method, timed)
+
+
+def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29500", ZS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(**MODELS[spec.model])
+    totals: dict[str, float] = collections.defaultdict(float)
+    if spec.system == "zerospeed":
+        _count_cpu(totals)
+    forward, backward, step = harness._build(spec, GPT(config), harness._CollectiveCounter(), lambda *_: None)
+    sums: dict[str, float] = collections.defaultdict(float)
+    for index, (x, y) in enumerate(harness._batches(spec, rank, config.block_size)):
+        if index == spec.warmup:
+            totals.clear()
+        cpu0, main0, os0 = time.process_time(), time.thread_time(), os.times()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        loss = forward(x, y)
+        main1, faults1 = time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        backward(loss)
+        main2, faults2 = time.thread_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step()
+        main3, cpu1, os1 = time.thread_time(), time.process_time(), os.times()
+        if index >= spec.warmup:
+            for key, value in (("process CPU", cpu1 - cpu0), ("main: forward", main1 - main0),
+                               ("main: backward", main2 - main1), ("main: step", main3 - main2),
+                               ("gloo threads", (cpu1 - cpu0) - (main3 - main0)),
+                               ("system time", os1.system - os0.system),
+                               ("faults: forward", faults1 - faults0), ("faults: backward", faults2 - faults1),
+                               ("faults: step", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults2)):
+                sums[key] += value
+    num_steps = spec.steps - spec.warmup
+    figures = {k: v / num_steps for k, v in {**sums, **totals}.items()}
+    harness.finish_rank(results, (spec.label, rank, figures))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="wide10")
+    parser.add_argument("--systems", nargs="+", default=["ddp", "zerospeed-z0", "zerospeed-z1", "zerospeed-z2"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    for text in args.systems:
+        name, _, stage = text.partition("-z")
+        spec = RunSpec(system=name, stage=int(stage or 0), model=args.model, steps=args.steps, warmup=args.warmup,
+                       micro_batch=MICRO_BATCH.get(args.model, 4))
+        for label, rank, figures in sorted(harness.spawn_ranks(_worker, 2, spec, label=spec.label, num_results=2)):
+            print(f"{label} rank {rank}: " + ", ".join(
+                f"{k} {v:.0f}" if k.startswith("faults") else f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()),
+                flush=True)
+
+
+if __name__ == "__main__":
+    main()
