@@ -4,8 +4,8 @@ Not `tests/distributed.py` nor tests/compat's harness: what is under test here i
 launchers themselves (`deepspeed`, `accelerate launch`, torchrun) and the import of `deepspeed`
 by transformers / accelerate in fresh processes, so each run is a launcher command in a
 subprocess. Both sides get the same environment except PYTHONPATH: the zerospeed side has the
-alias directory first (so `import deepspeed` gives zerospeed), the reference side has none (so it
-gets the venv's DeepSpeed 0.19.8). Everything is offline: tiny tokenizer and data written here.
+alias directory first (so `import deepspeed` gives zerospeed), the reference side only
+`reference_site/` (an exit teardown, no package: it gets the venv's DeepSpeed 0.19.8). Everything is offline: tiny tokenizer and data written here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from deepspeed_extensions import clear_stale_locks, deepspeed_env, prepare_deeps
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 ALIAS_SOURCE = os.path.join(REPO_ROOT, "integrations", "deepspeed-alias")
+REFERENCE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference_site")
 BIN = os.path.dirname(sys.executable)
 
 __all__ = ["ALIAS_SOURCE", "BIN", "REPO_ROOT", "SCRIPTS", "build_alias", "client_env", "free_port", "make_assets",
@@ -47,7 +48,8 @@ def build_alias(target: str) -> str:
 def client_env(alias: str | None) -> dict[str, str]:
     """Environment of one side: `alias` is the alias directory (zerospeed) or None (DeepSpeed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZS_", "DS_", "ACCELERATE_"))}
-    paths = [alias, REPO_ROOT] if alias else []
+    # the reference side gets the gloo exit teardown DeepSpeed lacks (reference_site/sitecustomize.py)
+    paths = [alias, REPO_ROOT] if alias else [REFERENCE_SITE]
     env.update(deepspeed_env())
     env.update(PYTHONPATH=os.pathsep.join(paths), ZS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
