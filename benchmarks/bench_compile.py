@@ -11,6 +11,10 @@ compiles the whole module, hooks included). Every run is a fresh pair of process
 `--warmup` steps (inductor builds its C++ kernels there) are dropped, and the row is the slowest
 rank's median step. The four runs of a stage run back to back in each round, the libraries'
 order alternating between rounds, so the ratios compare runs taken under the same load.
+
+`--ceiling` adds plain PyTorch (`torch`: the same model, AdamW and batch in the same two
+processes, no ZeRO engine, `model.compile()` for the compiled run) once per round: what inductor
+itself buys on this model and machine, the bound any engine's compiled/eager ratio is read against.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ GPT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @dataclasses.dataclass
 class Spec:
-    impl: str        # zerospeed | deepspeed
+    impl: str        # zerospeed | deepspeed | torch (plain PyTorch, no engine)
     compiled: bool
     stage: int
     layers: int
@@ -62,6 +66,44 @@ def _gpt(spec: Spec) -> torch.nn.Module:
     return gpt.GPT(gpt.GPTConfig(block_size=spec.seq, n_layer=spec.layers, n_head=4, n_embd=spec.embd))
 
 
+class _PlainTorch:
+    """The engine's three calls over plain PyTorch: each rank trains its own copy, no gradient
+    exchange (the ceiling measures what compiling the model buys, not communication)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.optimizer = model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _plain_torch(spec: Spec) -> Any:
+    model = _gpt(spec)
+    if spec.compiled:
+        model.compile(backend="inductor")
+    return _PlainTorch(model)
+
+
+def _engine(spec: Spec) -> Any:
+    ds = importlib.import_module(spec.impl)
+    ds.init_distributed(dist_backend="gloo")
+    model = _gpt(spec)
+    config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": spec.stage}}
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if spec.compiled:
+        engine.compile(backend="inductor")
+    return engine
+
+
 def _worker(rank: int, spec: Spec, init_file: str, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", DS_ACCELERATOR="cpu", ZS_ACCELERATOR="cpu",
@@ -73,15 +115,7 @@ def _worker(rank: int, spec: Spec, init_file: str, results: Any) -> None:
 
     inductor_config.compile_threads = 1
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    ds = importlib.import_module(spec.impl)
-    ds.init_distributed(dist_backend="gloo")
-    model = _gpt(spec)
-    config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": spec.stage}}
-    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if spec.compiled:
-        engine.compile(backend="inductor")
+    engine = _plain_torch(spec) if spec.impl == "torch" else _engine(spec)
     generator = torch.Generator().manual_seed(100 + rank)
     step_s, loss = [], torch.zeros(())
     for _ in range(spec.steps):
@@ -110,20 +144,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="dropped steps (compilation happens there)")
+    parser.add_argument("--ceiling", action="store_true", help="add plain PyTorch eager and compiled each round")
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     rows: dict[str, list[tuple[float, float, float]]] = {}
     for round_index in range(args.rounds):
         impls = ("zerospeed", "deepspeed") if round_index % 2 == 0 else ("deepspeed", "zerospeed")
-        for stage in args.stages:
-            for impl in impls:
-                for compiled in (False, True):
-                    spec = Spec(impl, compiled, stage, args.layers, args.embd, args.seq, args.batch,
-                                args.steps, args.warmup)
-                    result = spawn_ranks(_worker, WORLD, spec, label=spec.label)[0]
-                    rows.setdefault(spec.label, []).append(result)
-                    print(f"round {round_index} {spec.label:28s} step {result[0]:.4f} s  warm-up {result[1]:.1f} s  "
-                          f"loss {result[2]:.6f}", flush=True)
+        runs = [(impl, stage) for stage in args.stages for impl in impls]
+        if args.ceiling:
+            runs.insert(0 if round_index % 2 else len(runs), ("torch", 0))
+        for impl, stage in runs:
+            for compiled in (False, True):
+                spec = Spec(impl, compiled, stage, args.layers, args.embd, args.seq, args.batch,
+                            args.steps, args.warmup)
+                result = spawn_ranks(_worker, WORLD, spec, label=spec.label)[0]
+                rows.setdefault(spec.label, []).append(result)
+                print(f"round {round_index} {spec.label:28s} step {result[0]:.4f} s  warm-up {result[1]:.1f} s  "
+                      f"loss {result[2]:.6f}", flush=True)
     _table(rows, args.stages)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
@@ -139,6 +176,10 @@ def _table(rows: dict[str, list[tuple[float, float, float]]], stages: list[int])
         zs_e, zs_c = step("zerospeed", stage, "eager"), step("zerospeed", stage, "compiled")
         ds_e, ds_c = step("deepspeed", stage, "eager"), step("deepspeed", stage, "compiled")
         print(f"| {stage} | {zs_e:.4f} | {zs_c:.4f} | {ds_e:.4f} | {ds_c:.4f} | {zs_c / zs_e:.2f} | {zs_c / ds_c:.2f} |")
+    if "torch-z0-eager" in rows:
+        eager, compiled = step("torch", 0, "eager"), step("torch", 0, "compiled")
+        print(f"\nplain PyTorch (no engine): eager {eager:.4f} s, compiled {compiled:.4f} s, "
+              f"compiled / eager {compiled / eager:.2f} (the ceiling)")
 
 
 if __name__ == "__main__":
