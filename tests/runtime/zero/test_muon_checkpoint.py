@@ -72,3 +72,24 @@ def test_muon_checkpoint_resumes_and_reshards(before: tuple[int, int], after: tu
         for key, value in saved.moments[name].items():
             assert torch.equal(value, resaved.moments[name][key]), (name, key)
     torch.testing.assert_close(torch.tensor(resumed).sum(0), torch.tensor(expected).sum(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_universal_conversion_writes_each_parameter_its_own_states(stage: int, tmp_path) -> None:
+    """[Note: streaming conversion] reads one state at a time; Muon's matrices hold a momentum
+    buffer and the other parameters Adam's two moments, so a state absent from a parameter's group
+    must not be written for it. Against the whole-model export of the same checkpoint."""
+    from zerospeed.checkpoint.universal.convert import convert_to_universal
+
+    run_on_ranks(_save_then_continue, 2, stage, str(tmp_path / "a"))
+    out = tmp_path / "universal"
+    convert_to_universal(f"{tmp_path / 'a'}/global_step{BEFORE}", str(out), inject_missing_state=True, chunk_bytes=1)
+    full = _full_state(str(tmp_path / "a"))
+    for name, master in full.fp32.items():
+        files = sorted((out / "zero" / name).iterdir())
+        expected = {"fp32", *full.moments[name], *({"step"} & set(full.scalars.get(name, {})))}
+        assert {file.stem for file in files} == expected, name
+        assert torch.equal(torch.load(out / "zero" / name / "fp32.pt", weights_only=True)["param"], master), name
+        for key, value in full.moments[name].items():
+            written = torch.load(out / "zero" / name / f"{key}.pt", weights_only=True)["param"]
+            assert torch.equal(written, value), (name, key)

@@ -7,9 +7,13 @@ never held at once: the parameters are taken in flat order, in chunks of about `
 fp32 state (at least one parameter), and for each chunk every rank's optim file is opened with
 mmap and cut down to the chunk's parameters (stage 1/2: its `param_slice_mappings`; stage 3: a
 window of its flat groups), then read by the same exporters a resharded load uses
-(full_state.py `export_zero12` / `export_zero3`). The files are re-opened for every chunk so the
-pages the previous chunk touched are unmapped: peak memory is about one chunk of state plus its
-input pages, not the model. The folder is written crash-safe ([Note: atomic universal folder]).
+(full_state.py `export_zero12` / `export_zero3`). A chunk is read in one pass per state: the fp32
+masters first, then each per-element optimizer state (`exp_avg`, `exp_avg_sq`, ...) in turn, given
+to the exporters in the masters' place, so they merge it by the same layout rules while only one
+state of the chunk is ever materialised. The files are re-opened for every pass so the pages the
+previous pass touched are unmapped: peak memory is about one state of one chunk plus its input
+pages, not the model (and not the three states of its largest parameter at once). The folder is
+written crash-safe ([Note: atomic universal folder]).
 With model parallelism every chunk is read from each mp rank's files and combined (source.py:
 AutoTP pieces joined, pipeline stages united); an MoE checkpoint is read whole instead, its
 experts renamed by global id.
@@ -56,15 +60,19 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
     shapes = source.full_shapes()
     writer = UniversalFolderWriter(output_folder).begin()
     try:
-        for index, (chunk, full) in enumerate(_full_states(source, shapes, chunk_bytes)):
+        first = True
+        # not enumerate(): its reused result tuple would keep the previous state alive while the
+        # generator reads the next one
+        for chunk, key, full in _full_states(source, shapes, chunk_bytes):
             # a scalar (the step) is a view of its mmap'd file and would keep every page this chunk
             # touched mapped while the chunk is written: own it, so the inputs unmap here
             full.scalars = {name: {k: _owned(v) if torch.is_tensor(v) else v for k, v in values.items()}
                             for name, values in full.scalars.items()}
-            _write_params(writer, full, chunk, shapes, strict, source.record)
+            _write_params(writer, full, chunk, key, shapes, strict, source.record)
             del full
-            if index == 0:
+            if first:
                 crash_point("universal_mid_params")
+                first = False
         if zero_stage <= 2:   # as DeepSpeed: frozen params and buffers too, from the module
             _write_module_entries(writer, source, shapes)
         writer.save(os.path.join(ZERO_DIR, OPTIMIZER_STATE_FILE), _optimizer_state(source.saved[0]),
@@ -78,18 +86,38 @@ def convert_to_universal(input_folder: str, output_folder: str, strict: bool = T
 
 
 def _full_states(source: CheckpointSource, shapes: dict[str, torch.Size],
-                 chunk_bytes: int) -> Iterator[tuple[list[str], FullOptimizerState]]:
-    """The whole model's state a chunk at a time. An MoE checkpoint is read whole, through the
-    resharded load's exporter, which names each expert by its global id ([Note: MoE stage-3
-    reshard]): its partitions follow per-parameter group sizes the chunk windows do not model."""
+                 chunk_bytes: int) -> Iterator[tuple[list[str], str | None, FullOptimizerState]]:
+    """The whole model's state a chunk and a state at a time: `(chunk, None, full)` carries the
+    masters in `full.fp32` (and the scalars), `(chunk, key, full)` the per-element state `key` in
+    `full.fp32`. An MoE checkpoint is read whole, through the resharded load's exporter, which names
+    each expert by its global id ([Note: MoE stage-3 reshard]): its partitions follow per-parameter
+    group sizes the chunk windows do not model."""
     if source.moe:
         full = export_full_state(source.saved[0], source.model_states[0])
         shapes.update({name: value.shape for name, value in full.fp32.items()})
-        yield list(full.fp32), full
+        yield list(full.fp32), None, full
         return
+    keys = _per_element_keys(source.saved[0])
     for chunk in _chunks(shapes, chunk_bytes):
-        yield chunk, source.combine([_export_chunk(saved, model_state, chunk)
-                                     for saved, model_state in zip(source.saved, source.model_states)])
+        for key in (None, *keys):
+            yield chunk, key, source.combine([_export_chunk(saved, model_state, chunk, key)
+                                              for saved, model_state in zip(source.saved, source.model_states)])
+
+
+def _per_element_keys(saved: SavedLayout) -> list[str]:
+    """The optimizer's per-element states (Adam's two moments, a momentum buffer), from rank 0."""
+    state = load_file(saved.optim_files[0], mmap=True)[C.OPTIMIZER_STATE_DICT]
+    base = state[C.BASE_OPTIMIZER_STATE] if saved.zero_stage <= 2 else state[C.OPTIMIZER_STATE_DICT]
+    keys: list[str] = []
+    for entry in base["state"].values():
+        keys += [key for key, value in entry.items() if torch.is_tensor(value) and value.dim() >= 1 and key not in keys]
+    return keys
+
+
+def _one_state(entry: dict[str, Any], numel: int) -> dict[str, Any]:
+    """An optimizer state entry without its per-element tensors (the scalars stay)."""
+    return {key: value for key, value in entry.items()
+            if not (torch.is_tensor(value) and value.dim() >= 1 and value.numel() == numel)}
 
 
 def _chunks(shapes: dict[str, torch.Size], chunk_bytes: int) -> Iterator[list[str]]:
@@ -107,24 +135,49 @@ def _chunks(shapes: dict[str, torch.Size], chunk_bytes: int) -> Iterator[list[st
         yield chunk
 
 
-def _export_chunk(saved: SavedLayout, model_state: dict[str, Any], chunk: list[str]) -> FullOptimizerState:
+def _export_chunk(saved: SavedLayout, model_state: dict[str, Any], chunk: list[str],
+                  key: str | None) -> FullOptimizerState:
+    """The chunk's masters (`key` None) or its state `key`, in `fp32` either way."""
     wanted = set(chunk)
     if saved.zero_stage in (1, 2):
-        return export_zero12(_zero12_states(saved, wanted), model_state[C.PARAM_SHAPES])
+        return export_zero12(_zero12_states(saved, wanted, key), model_state[C.PARAM_SHAPES])
     groups = model_state[C.PARAM_SHAPES]
     groups = groups if isinstance(groups, list) else [groups]
-    windows = _zero3_windows(groups, wanted, saved.dp_world_size)
-    restricted = [{name: shape for name, shape in group.items() if name in wanted} for group in groups]
-    return export_zero3(_zero3_states(saved, windows), restricted, saved.dp_world_size)
+    holding = _sub_groups_holding(saved, key)
+    windows = [window if held else (0, 0) for window, held in zip(_zero3_windows(groups, wanted, saved.dp_world_size), holding)]
+    restricted = [{name: shape for name, shape in group.items() if name in wanted and held}
+                  for group, held in zip(groups, holding)]
+    return export_zero3(_zero3_states(saved, windows, key), restricted, saved.dp_world_size)
 
 
-def _zero12_states(saved: SavedLayout, wanted: set[str]) -> Iterator[dict[str, Any]]:
-    """Each rank's state with only the chunk's fragments mapped (the tensors stay mmap'd)."""
+def _sub_groups_holding(saved: SavedLayout, key: str | None) -> list[bool]:
+    """Per stage-3 sub-group: does it hold state `key` (the masters, key None, always)?"""
+    state = load_file(saved.optim_files[0], mmap=True)[C.OPTIMIZER_STATE_DICT]
+    base = state[C.OPTIMIZER_STATE_DICT]
+    indices = [index for group in base["param_groups"] for index in group["params"]]
+    return [key is None or key in base["state"].get(index, {}) for index in indices[:len(state[C.FP32_FLAT_GROUPS])]]
+
+
+def _zero12_states(saved: SavedLayout, wanted: set[str], key: str | None) -> Iterator[dict[str, Any]]:
+    """Each rank's state with only the chunk's fragments mapped (the tensors stay mmap'd), and only
+    one per-element state: the masters, or `key` standing in their place."""
     for path in saved.optim_files:
         state = load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
         mappings = [{name: address for name, address in group.items() if name in wanted}
                     for group in state[C.PARAM_SLICE_MAPPINGS]]
-        yield {**state, C.PARAM_SLICE_MAPPINGS: mappings}
+        base = state[C.BASE_OPTIMIZER_STATE]
+        leans, cut = list(state[C.SINGLE_PARTITION_OF_FP32_GROUPS]), {}
+        for g, lean in enumerate(leans):
+            index = base["param_groups"][g]["params"][0]
+            entry = base["state"].get(index, {})
+            numel = lean.numel() + int(state[C.GROUP_PADDINGS][g])
+            if key is not None and key in entry:
+                leans[g] = entry[key].reshape(-1).narrow(0, 0, lean.numel())
+            elif key is not None:   # a group without this state (Muon's groups beside AdamW's): none of it
+                mappings[g] = {}
+            cut[index] = _one_state(entry, numel)
+        yield {**state, C.PARAM_SLICE_MAPPINGS: mappings, C.SINGLE_PARTITION_OF_FP32_GROUPS: leans,
+               C.BASE_OPTIMIZER_STATE: {**base, "state": cut}}
 
 
 def _zero3_windows(groups: list[dict[str, Any]], wanted: set[str], world: int) -> list[tuple[int, int]]:
@@ -143,21 +196,20 @@ def _zero3_windows(groups: list[dict[str, Any]], wanted: set[str], world: int) -
     return windows
 
 
-def _zero3_states(saved: SavedLayout, windows: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+def _zero3_states(saved: SavedLayout, windows: list[tuple[int, int]], key: str | None) -> Iterator[dict[str, Any]]:
+    """Each rank's flat groups cut to the chunk's window, and only one per-element state: the
+    masters, or `key` standing in their place."""
     for path in saved.optim_files:
         state = load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
         base = state[C.OPTIMIZER_STATE_DICT]
         indices = [index for group in base["param_groups"] for index in group["params"]]
         flats, cut = [], {}
         for k, (flat, window) in enumerate(zip(state[C.FP32_FLAT_GROUPS], windows)):
-            flats.append(flat.narrow(0, *window))
-            cut[indices[k]] = {key: value.narrow(0, *window) if _per_element(value, flat) else value
-                               for key, value in base["state"].get(indices[k], {}).items()}
+            entry = base["state"].get(indices[k], {})
+            source = entry[key] if key is not None and key in entry else flat
+            flats.append(source.reshape(-1).narrow(0, *window))
+            cut[indices[k]] = _one_state(entry, flat.numel())
         yield {**state, C.FP32_FLAT_GROUPS: flats, C.OPTIMIZER_STATE_DICT: {**base, "state": cut}}
-
-
-def _per_element(value: Any, flat: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == flat.numel()
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,20 +223,26 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if exact else tensor.contiguous().clone()
 
 
-def _write_params(writer: UniversalFolderWriter, full: FullOptimizerState, chunk: list[str],
+def _write_params(writer: UniversalFolderWriter, full: FullOptimizerState, chunk: list[str], key: str | None,
                   shapes: dict[str, torch.Size], strict: bool, record: dict[str, list[int]]) -> None:
-    """`cat_dim` is the dimension a split parameter's tp pieces were joined along (DeepSpeed's meaning)."""
+    """The chunk's files of one state: `fp32.pt` and `step.pt` (key None), else `<key>.pt`, from
+    `full.fp32` ([Note: streaming conversion]); an MoE state read whole brings its moments along.
+    `cat_dim` is the dimension a split parameter's tp pieces were joined along (DeepSpeed's meaning)."""
     for name in chunk:
         cat_dim = record.get(name, [0])[0]
+        if key is not None and name not in full.fp32:
+            continue   # its group holds no state `key`
         if name not in full.fp32:
             raise ValueError(f"parameter {name!r} of param_shapes has no fp32 partition in the optim files")
         value = full.fp32[name]
         if strict and value.shape != shapes[name]:
-            raise ValueError(f"parameter {name!r}: merged shape {tuple(value.shape)}, param_shapes says "
-                             f"{tuple(shapes[name])}")
-        writer.save(state_file(name, FP32), {PARAM: _owned(value), CAT_DIM: cat_dim})
-        for key, moment in full.moments.get(name, {}).items():
-            writer.save(state_file(name, key), {PARAM: _owned(moment), CAT_DIM: cat_dim})
+            raise ValueError(f"parameter {name!r}: merged {key or FP32} shape {tuple(value.shape)}, param_shapes "
+                             f"says {tuple(shapes[name])}")
+        writer.save(state_file(name, key or FP32), {PARAM: _owned(value), CAT_DIM: cat_dim})
+        if key is not None:
+            continue
+        for moment_key, moment in full.moments.get(name, {}).items():
+            writer.save(state_file(name, moment_key), {PARAM: _owned(moment), CAT_DIM: cat_dim})
         step = full.scalars.get(name, {}).get(STEP)
         if step is not None:
             writer.save(state_file(name, STEP), _owned(step) if torch.is_tensor(step) else step)
