@@ -68,9 +68,9 @@ def partition_group(param: torch.nn.Parameter, dp_group: Any) -> Any:
     its expert-data-parallel group: the ranks that hold the same experts. Every other parameter over
     the data-parallel group."""
     if getattr(param, "allreduce", True) is False and hasattr(param, "group_name"):
-        from zerospeed.utils import groups
+        from zerospeed.comm import groups
 
-        return groups._get_expert_data_parallel_group(param.group_name)
+        return groups.expert_groups(param.group_name).expert_data_parallel.group   # [Note: run groups]
     return dp_group
 
 

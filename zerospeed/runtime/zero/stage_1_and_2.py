@@ -198,9 +198,9 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             return self.dp_process_group
         if not all(experts):
             raise ValueError(f"param group {group_index} is marked moe but holds non-expert parameters")
-        from zerospeed.utils import groups
+        from zerospeed.comm import groups
 
-        return groups._get_expert_data_parallel_group(group["name"])
+        return groups.expert_groups(group["name"]).expert_data_parallel.group   # the run's ([Note: run groups])
 
     def _init_grad_buffers(self, layout: GroupLayout, device: torch.device,
                            dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
