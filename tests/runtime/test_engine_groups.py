@@ -5,6 +5,7 @@ the registry), and DeepSpeed's accessors read the published value."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from distributed import run_on_ranks
@@ -59,10 +60,10 @@ def _fields(case: str) -> dict:
         model, expert = _Moe(), 2
     elif case == "pipe":
         model = _pipeline()
-        mpu, pipe_stages = model.mpu(), 2
+        mpu, pipe_stages = model.mpu(), 2  # type: ignore[operator]
     layout = parallel_layout_for_run(raw, 2, pipe_stages=pipe_stages, tensor_size=tensor, moe_expert_size=expert)
     run = build_run_groups(layout, raw, model, mpu)
-    result = {f.name: _members(getattr(run, f.name)) for f in dataclasses.fields(RunGroups)
+    result: dict[str, Any] = {f.name: _members(getattr(run, f.name)) for f in dataclasses.fields(RunGroups)
               if f.name not in ("layout", "experts", "tied")}
     result["experts"] = {name: (_members(e.expert_parallel), _members(e.expert_data_parallel))
                          for name, e in run.experts.items()}

@@ -130,9 +130,12 @@ def get_run_groups() -> RunGroups | None:
     return _run
 
 
-def expert_groups(group_name: str) -> ExpertGroups:
-    """The groups of an expert group ("ep_size_<n>"): from the current run's value, else the ones
-    DeepSpeed's `_create_expert_and_data_parallel` built for user code outside an engine."""
+def expert_groups(group_name: str, run: RunGroups | None = None) -> ExpertGroups:
+    """The groups of an expert group ("ep_size_<n>"): from `run` when given, else from the current
+    run's value, else the ones DeepSpeed's `_create_expert_and_data_parallel` built for user code
+    outside an engine."""
+    if run is not None:
+        return run.expert(group_name)
     if _run is not None and group_name in _run.experts:
         return _run.experts[group_name]
     ep = _expert(_expert_groups, group_name, "expert parallel")

@@ -91,7 +91,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
             self._report_progress(0)
         else:   # [Note: engine without an optimizer]
             self.optimizer = build_parameter_offload(self._config, self.precision, self.dp_group,
-                                                     self.param_names, self.module)
+                                                     self.param_names, self.module, self.run_groups)
         self._init_monitoring()
         self.checkpointer = EngineCheckpointer(self, self._checkpoint_site)
 

@@ -189,16 +189,17 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
 
         return DeepSpeedZeroOptimizer(basic, zero_config, precision, loss_scaler, dp_group,
                                       partition_grads=stage == 2, param_names=param_names, offload=offload,
-                                      grad_space=space)
+                                      grad_space=space, run_groups=run_groups)
     from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,
                                          param_names=param_names, offload=offload, aio_config=config.aio_config,
-                                         grad_space=space)
+                                         grad_space=space, run_groups=run_groups)
 
 
 def build_parameter_offload(config: Any, precision: PrecisionSettings, dp_group: Any,
-                            param_names: dict[torch.nn.Parameter, str], module: torch.nn.Module) -> Any:
+                            param_names: dict[torch.nn.Parameter, str], module: torch.nn.Module,
+                            run_groups: RunGroups | None = None) -> Any:
     """The engine without an optimizer ([Note: engine without an optimizer] in engine.py): at stage 3
     the partitioning hooks alone, DeepSpeed's `DeepSpeedZeRoOffload` as `engine.optimizer`, with the
     coordinator and prefetch an engine with an optimizer gets; below stage 3 nothing (weights whole)."""
@@ -212,7 +213,7 @@ def build_parameter_offload(config: Any, precision: PrecisionSettings, dp_group:
     if offload_enabled and offload.device.value == "nvme":
         raise NotImplementedError("zero_optimization.offload_param.device='nvme' without an optimizer "
                                   "(ZeRO-Inference from NVMe) is not implemented; use device 'cpu' or none")
-    hooks = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names, precision.param_dtype)
+    hooks = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names, precision.param_dtype, run_groups)
     if offload_enabled:   # the partitions live in host memory; gathers run on the compute device
         _partitions_to_host(hooks.params, bool(offload.pin_memory))
     return hooks
