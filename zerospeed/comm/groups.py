@@ -9,16 +9,19 @@ belongs to under a name. The accessor names are DeepSpeed's (``deepspeed/utils/g
 ``zerospeed.utils.groups`` re-exports them at DeepSpeed's import path.
 
 This module holds the only mutable module state about groups in the package (STYLE.md rule 5).
-A group whose rank list is the whole world is the world group itself: creating a copy would cost
-a communicator and change nothing.
+An engine builds its groups once as a frozen `RunGroups` ([Note: run groups] in run_groups.py) and
+publishes it here (`publish_run_groups`): the accessors then read that value's groups, and
+internal code without the value at hand takes it from `get_run_groups()`. A group whose rank list
+is the whole world is the world group itself: creating a copy would cost a communicator and change
+nothing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from zerospeed.comm import comm
+from zerospeed.comm.run_groups import AxisGroup, ExpertGroups, RunGroups, expert_group_name_for
 from zerospeed.comm.topology import ProcessTopology, expert_rank_lists
 
 __all__ = [
@@ -30,6 +33,9 @@ __all__ = [
     "SEQUENCE_PARALLEL",
     "create_axis_group",
     "create_rank_groups",
+    "expert_groups",
+    "get_run_groups",
+    "publish_run_groups",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
@@ -49,6 +55,7 @@ __all__ = [
     "is_initialized",
     "reset",
     "adopt_sequence_parallel",
+    "build_expert_groups",
     "forget_sequence_parallel",
     "_create_expert_and_data_parallel",
     "_get_data_parallel_group",
@@ -83,29 +90,56 @@ SEQUENCE_DATA_PARALLEL = "sequence_data_parallel"
 PIPE_MODEL_PARALLEL = "pipe_model_parallel"   # a pipeline's ranks sharing one data coordinate
 
 
-@dataclasses.dataclass(frozen=True)
-class AxisGroup:
-    """This rank's process group along one axis, and the global ranks in it."""
-
-    group: Any
-    ranks: tuple[int, ...]
-
-
 # --- the registry (the only module state about groups) -----------------------------------------
 
 _groups: dict[str, AxisGroup] = {}
 _expert_groups: dict[str, AxisGroup] = {}       # "ep_size_<n>" -> expert-parallel group
 _expert_data_groups: dict[str, AxisGroup] = {}  # "ep_size_<n>" -> expert-data-parallel group
 _topology: ProcessTopology | None = None
+_run: RunGroups | None = None                   # the last engine's groups ([Note: run groups])
 
 
 def reset() -> None:
     """Forget every registered group (tests; a new process group after destroy_process_group)."""
-    global _topology
+    global _topology, _run
     _groups.clear()
     _expert_groups.clear()
     _expert_data_groups.clear()
     _topology = None
+    _run = None
+
+
+def publish_run_groups(run: RunGroups) -> None:
+    """Make an engine's frozen groups the current ones: the accessors read them from here on."""
+    global _run
+    _groups[DATA_PARALLEL] = run.data_parallel
+    if run.tensor_parallel is not None:
+        _groups[MODEL_PARALLEL] = run.tensor_parallel
+    if run.sequence_parallel is not None:
+        _groups[SEQUENCE_PARALLEL] = run.sequence_parallel
+        _groups[SEQUENCE_DATA_PARALLEL] = run.sequence_data_parallel
+    if run.pipe_model_parallel is not None:
+        _groups[PIPE_MODEL_PARALLEL] = run.pipe_model_parallel
+    for name, expert in run.experts.items():
+        _expert_groups[name], _expert_data_groups[name] = expert.expert_parallel, expert.expert_data_parallel
+    _run = run
+
+
+def get_run_groups() -> RunGroups | None:
+    """The groups of the last engine built in this process (None before one)."""
+    return _run
+
+
+def expert_groups(group_name: str, run: RunGroups | None = None) -> ExpertGroups:
+    """The groups of an expert group ("ep_size_<n>"): from `run` when given, else from the current
+    run's value, else the ones DeepSpeed's `_create_expert_and_data_parallel` built for user code
+    outside an engine."""
+    if run is not None:
+        return run.expert(group_name)
+    if _run is not None and group_name in _run.experts:
+        return _run.experts[group_name]
+    ep = _expert(_expert_groups, group_name, "expert parallel")
+    return ExpertGroups(ep.size, ep, _expert(_expert_data_groups, group_name, "expert data parallel"))
 
 
 def is_initialized(name: str = DATA_PARALLEL) -> bool:
@@ -256,14 +290,19 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
     """
     if mp_size not in (None, 1):
         raise NotImplementedError("expert groups with model parallelism (mp_size > 1) are not supported yet")
-    name = f"ep_size_{expert_parallel_size_}"
-    if name in _expert_groups:
-        return
-    lists = expert_rank_lists(comm.get_world_size(), expert_parallel_size_, pp_size or 1,
-                              use_data_before_expert_parallel_)
-    # DeepSpeed creates the expert-data groups first: every rank must create them in one order.
-    _expert_data_groups[name] = _new_groups(lists.expert_data_parallel)
-    _expert_groups[name] = _new_groups(lists.expert_parallel)
+    build_expert_groups(expert_parallel_size_, pp_size or 1, use_data_before_expert_parallel_)
+
+
+def build_expert_groups(ep_size: int, pp_size: int = 1, use_data_before_expert_parallel: bool = False) -> ExpertGroups:
+    """The expert-parallel and expert-data-parallel groups of one ep size (collective), registered
+    under "ep_size_<n>"; built once per size in a process, later calls get the same groups."""
+    name = expert_group_name_for(ep_size)
+    if name not in _expert_groups:
+        lists = expert_rank_lists(comm.get_world_size(), ep_size, pp_size, use_data_before_expert_parallel)
+        # DeepSpeed creates the expert-data groups first: every rank must create them in one order.
+        _expert_data_groups[name] = _new_groups(lists.expert_data_parallel)
+        _expert_groups[name] = _new_groups(lists.expert_parallel)
+    return ExpertGroups(ep_size, _expert_groups[name], _expert_data_groups[name])
 
 
 # --- DeepSpeed's accessors -------------------------------------------------------------------

@@ -12,7 +12,7 @@ processes.
 [Note: combination table]
 `REFUSED_COMBINATIONS` holds every pair of features that zerospeed does not run together, with the
 reason. Every pair not in it is supported. Enabling a combination is deleting its row (and building
-its groups in `comm/groups.py`); refusing one is adding a row. The error names what the user gave
+its groups into the run's `RunGroups`, `runtime/engine_groups.py`); refusing one is adding a row. The error names what the user gave
 for each side (the config key and value, or the mpu), so the message points at what to change.
 """
 

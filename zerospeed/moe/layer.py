@@ -3,8 +3,10 @@
 `MoE(hidden_size, expert, num_experts, ep_size, k, ...)(hidden_states)` returns
 `(output, l_aux, exp_counts)`; the caller adds `l_aux` (times a coefficient) to its loss. The
 `num_experts` experts are spread over `ep_size` ranks (`num_experts / ep_size` local copies of
-`expert` on each); their process groups come from `zerospeed.utils.groups` when the engine calls
-`set_deepspeed_parallelism()`. With `use_residual` (Residual MoE, arXiv 2201.05596) `expert` also
+`expert` on each). The engine hands each layer its process groups from the run's frozen groups
+(`set_expert_groups`, [Note: run groups] in comm/run_groups.py); DeepSpeed's
+`set_deepspeed_parallelism()` stays for user code driving a layer without an engine (it builds or
+finds the groups through `zerospeed.utils.groups`). With `use_residual` (Residual MoE, arXiv 2201.05596) `expert` also
 runs densely as `mlp` and a learned 2-way softmax mixes the two outputs.
 """
 
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zerospeed.comm.run_groups import ExpertGroups
 from zerospeed.moe.experts import Experts
 from zerospeed.moe.sharded_moe import MOELayer, TopKGate
 from zerospeed.utils.logging import log_dist
@@ -53,6 +56,12 @@ class MoE(torch.nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = torch.nn.Linear(hidden_size, 2)
+
+    def set_expert_groups(self, expert_groups: ExpertGroups) -> None:
+        """Take this layer's groups from the run's (the engine calls it): no lookup by name."""
+        if expert_groups.name != self.expert_group_name:
+            raise ValueError(f"MoE layer with ep_size {self.ep_size} was handed the groups of {expert_groups.name}")
+        self.deepspeed_moe._set_ep_group(expert_groups.expert_parallel.group)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         self._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)

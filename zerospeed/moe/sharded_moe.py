@@ -192,7 +192,7 @@ class MOELayer(torch.nn.Module):
     def _check_group(self) -> None:
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: call "
-                               "set_deepspeed_parallelism() (deepspeed.initialize does) before forward")
+                               "set_deepspeed_parallelism() before forward (deepspeed.initialize hands the layer its groups)")
 
     def _exchange(self, buffers: Tensor, step: str) -> Tensor:
         if self.ep_size > 1:

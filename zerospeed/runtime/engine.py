@@ -16,12 +16,12 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.comm import groups
 from zerospeed.runtime.config import DeepSpeedConfig, load_ds_config
 from zerospeed.runtime.dataloader import DeepSpeedDataLoader
 from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointer import CheckpointSite, EngineCheckpointer, plain_checkpoint_site
 from zerospeed.runtime.engine_client_api import EngineClientAPI
+from zerospeed.runtime.engine_groups import build_run_groups
 from zerospeed.runtime.engine_moe import broadcast_expert_params, moe_model_parameters, setup_moe
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
@@ -32,7 +32,6 @@ from zerospeed.runtime.engine_setup import (
 )
 from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper, build_parameter_offload
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
 from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
 from zerospeed.utils.host_allocator import settle_mmap_threshold
 from zerospeed.utils.logging import log_dist, logger
@@ -63,9 +62,10 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
         raw_config = config_class._param_dict if config_class is not None else load_ds_config(config)
         self.parallel_layout = build_parallel_layout(raw_config, model, mpu, self._pipe_stages(model))
         self.parallel_layout.validate()
-        # AutoTP shards the model and builds the data x tensor grid first (tensor_parallel/setup.py).
-        tp_dp_group = self._init_tensor_parallel(model, raw_config, mpu)
-        self._init_parallel_groups(raw_config, mpu, tp_dp_group)
+        # Every group of the run, once, frozen ([Note: run groups] in comm/run_groups.py).
+        self.run_groups = build_run_groups(self.parallel_layout, raw_config, model, mpu)
+        self._init_tensor_parallel(model, raw_config, mpu)   # AutoTP shards over the run's tp group
+        self._init_parallel_groups()
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
         batch_config = self._tp_batch_config(raw_config, self.dp_world_size)   # the given config unless restated
@@ -91,31 +91,26 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
             self._report_progress(0)
         else:   # [Note: engine without an optimizer]
             self.optimizer = build_parameter_offload(self._config, self.precision, self.dp_group,
-                                                     self.param_names, self.module)
+                                                     self.param_names, self.module, self.run_groups)
         self._init_monitoring()
         self.checkpointer = EngineCheckpointer(self, self._checkpoint_site)
 
     # --- setup ------------------------------------------------------------------------------------
-    def _init_parallel_groups(self, raw: dict[str, Any], mpu: Any, tp_dp_group: Any) -> None:
+    def _init_parallel_groups(self) -> None:
         """`dp_group` reduces gradients and partitions ZeRO state; `dp_world_size` sizes the batch.
 
         With sequence parallelism they differ: the reduction spans data x sequence ranks while the
         batch counts data-parallel replicas only (DeepSpeed's `seq_data_parallel_group` and
         `dp_world_size`; sequence_parallel/groups_setup.py explains the layout and the averaging).
         """
-        sp = build_sequence_parallel(raw, mpu if tp_dp_group is None else None)
-        if sp is None:
-            self.dp_group = tp_dp_group if tp_dp_group is not None else groups.initialize_data_parallel(mpu=mpu).group
-            self.dp_world_size = comm.get_world_size(self.dp_group)
-            self.data_parallel_group = self.seq_data_parallel_group = self.dp_group
-            self.sequence_parallel_size = 1
-        else:
-            self.dp_group = self.seq_data_parallel_group = sp.sequence_data_parallel_group
-            self.dp_world_size = sp.data_parallel_size
-            self.data_parallel_group = sp.data_parallel_group
-            self.seq_parallel_group = sp.sequence_parallel_group
-            self.sequence_parallel_size = sp.sequence_parallel_size
-        self.seq_dp_world_size = comm.get_world_size(self.seq_data_parallel_group)
+        run = self.run_groups
+        self.dp_group = self.seq_data_parallel_group = run.sequence_data_parallel.group
+        self.data_parallel_group = run.data_parallel.group
+        self.sequence_parallel_size = 1 if run.sequence_parallel is None else run.sequence_parallel.size
+        self.dp_world_size = run.sequence_data_parallel.size // self.sequence_parallel_size
+        if run.sequence_parallel is not None:
+            self.seq_parallel_group = run.sequence_parallel.group
+        self.seq_dp_world_size = run.sequence_data_parallel.size
 
     def _pipe_stages(self, model: torch.nn.Module) -> int:
         """Pipeline stages of this run's model: 1 here; `PipelineEngine` answers for its module."""
@@ -151,10 +146,10 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
                 if param.is_floating_point() and not hasattr(param, "ds_id"):
                     param.data = param.data.to(self.precision.param_dtype)
         model.to(self.device)
-        self._moe = setup_moe(model, self._config.use_data_before_expert_parallel_)
+        self._moe = setup_moe(model, self.run_groups, self._config.use_data_before_expert_parallel_)
         broadcast_module_from_rank0(model, self.dp_group)
         if self._moe.has_moe_layers:
-            broadcast_expert_params(model)
+            broadcast_expert_params(model, self.run_groups)
         self.param_names = {param: name for name, param in model.named_parameters()}
 
     def _init_dataloader(self, training_data: Any, collate_fn: Any) -> DeepSpeedDataLoader | None:
@@ -181,9 +176,8 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
                                                     else self.module.parameters())
         self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
                                                          model_parameters)
-        tp_group = None if self.tensor_parallel is None else self.tensor_parallel.tp_group
         self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,
-                                                 self.dp_group, self.param_names, self.module, tp_group)
+                                                 self.dp_group, self.param_names, self.module, self.run_groups)
 
     def _init_monitoring(self) -> None:
         from zerospeed.runtime.engine_monitoring import EngineMonitoring

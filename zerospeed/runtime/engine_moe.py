@@ -1,8 +1,9 @@
 """What `DeepSpeedEngine.__init__` does for Mixture-of-Experts layers (DeepSpeed's engine MoE steps).
 
-1. Find the MoE layers and give each its expert-parallel group (`set_deepspeed_parallelism`, which
-   creates the "ep_size_<n>" groups once per size from `zerospeed.utils.groups`), honouring
-   `use_data_before_expert_parallelism`.
+1. Find the MoE layers and hand each its groups from the run's frozen groups (`set_expert_groups`;
+   `engine_groups.build_run_groups` built the "ep_size_<n>" groups once per size, honouring
+   `use_data_before_expert_parallelism`). Other modules with DeepSpeed's
+   `set_deepspeed_parallelism` hook get it called, as DeepSpeed's engine does.
 2. Broadcast expert parameters within their expert-data-parallel group (from its first rank), the
    other parameters as usual from data-parallel rank 0: the ranks of one expert-parallel group hold
    *different* experts, which a data-parallel broadcast would overwrite.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm.run_groups import RunGroups
 
 __all__ = ["MoEInfo", "broadcast_expert_params", "moe_model_parameters", "setup_moe"]
 
@@ -34,8 +36,12 @@ class MoEInfo:
         return bool(self.num_experts)
 
 
-def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = False) -> MoEInfo:
-    """Find MoE layers and create / attach their expert-parallel groups (step 1)."""
+def setup_moe(module: torch.nn.Module, run_groups: RunGroups | None = None,
+              use_data_before_expert_parallel: bool = False) -> MoEInfo:
+    """Find MoE layers and hand them their expert-parallel groups (step 1). Without `run_groups`
+    (a layer tested alone) each ep size's groups are built here, once per size."""
+    from zerospeed.comm import groups
+
     from zerospeed.moe.layer import MoE
     from zerospeed.moe.sharded_moe import MOELayer, TopKGate
 
@@ -48,7 +54,10 @@ def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = F
         elif isinstance(child, TopKGate):
             info.gate_modules.append(child)
     for child in module.modules():
-        if hasattr(child, "set_deepspeed_parallelism"):
+        if isinstance(child, MoE):
+            child.set_expert_groups(run_groups.expert(child.expert_group_name) if run_groups is not None else
+                                    groups.build_expert_groups(child.ep_size, 1, use_data_before_expert_parallel))
+        elif hasattr(child, "set_deepspeed_parallelism"):
             child.set_deepspeed_parallelism(use_data_before_expert_parallel)  # type: ignore[operator]  # found by hasattr
     for layer_id, child in enumerate(c for c in module.modules() if isinstance(c, MoE)):
         child.deepspeed_moe.comm_log_name = f"moe_layer_{layer_id}"   # the checkpoint's layer numbering
@@ -56,19 +65,16 @@ def setup_moe(module: torch.nn.Module, use_data_before_expert_parallel: bool = F
 
 
 @torch.no_grad()
-def broadcast_expert_params(module: torch.nn.Module) -> None:
+def broadcast_expert_params(module: torch.nn.Module, run_groups: RunGroups) -> None:
     """Each expert parameter from the first rank of its expert-data-parallel group (step 2)."""
     from zerospeed.moe.experts import expert_group_name
     from zerospeed.moe.utils import is_moe_param
-    from zerospeed.utils import groups
 
     for param in module.parameters():
         if is_moe_param(param) and not hasattr(param, "ds_id"):
-            group_name = expert_group_name(param)
-            group = groups._get_expert_data_parallel_group(group_name)
-            if comm.get_world_size(group) > 1:
-                source = groups._get_expert_data_parallel_group_ranks(group_name)[0]
-                comm.broadcast(param.data, src=source, group=group)
+            group = run_groups.expert(expert_group_name(param)).expert_data_parallel
+            if group.size > 1:
+                comm.broadcast(param.data, src=group.ranks[0], group=group.group)
 
 
 def moe_model_parameters(model_parameters: Any) -> list[dict[str, Any]]:

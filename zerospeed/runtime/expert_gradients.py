@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.moe.experts import expert_group_name as _expert_group_of
 from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
 from zerospeed.runtime.precision import PrecisionSettings
@@ -53,9 +54,9 @@ def reduction_plan(params: Sequence[torch.Tensor]) -> dict[str, list[int]]:
 def _reduction_group(key: str, dp_group: Any) -> Any:
     if key == DENSE:
         return dp_group
-    from zerospeed.utils import groups
+    from zerospeed.comm import groups
 
-    return groups._get_expert_data_parallel_group(key)
+    return groups.expert_groups(key).expert_data_parallel.group   # the run's ([Note: run groups])
 
 
 class GroupedAllReduce:
@@ -93,10 +94,11 @@ class GroupedAllReduce:
             reducer.finish(self._local(reducer_index, grad_of))
 
 
-def expert_parallel_groups(params: Sequence[torch.Tensor]) -> dict[str, Any]:
+def expert_parallel_groups(params: Sequence[torch.Tensor], run_groups: RunGroups | None = None) -> dict[str, Any]:
     """Expert group name -> its expert-parallel group, for every expert group among `params`: the
     ranks whose squares of that group's gradients add up to one copy of each expert ([Note: norm
-    with experts]; grad_space.py declares them)."""
-    from zerospeed.utils import groups
+    with experts]; grad_space.py declares them). From `run_groups`, else the current run's."""
+    from zerospeed.comm import groups
 
-    return {key: groups._get_expert_parallel_group(key) for key in reduction_plan(params) if key != DENSE}
+    find = run_groups.expert if run_groups is not None else groups.expert_groups
+    return {key: find(key).expert_parallel.group for key in reduction_plan(params) if key != DENSE}

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.expert_gradients import expert_group_name, expert_parallel_groups
 from zerospeed.runtime.grad_utils import any_non_finite, sum_of_squares
 
@@ -72,9 +73,11 @@ class GradSpace:
     pipeline: PipelineStages | None = None
 
     @classmethod
-    def data_parallel(cls, dp_group: Any, partitioned: bool, params: Sequence[torch.Tensor] = ()) -> GradSpace:
-        """Data (and expert) parallelism alone: a wrapper built outside the factory (tests, tools)."""
-        return cls(dp_group, partitioned, {} if partitioned else expert_parallel_groups(params))
+    def data_parallel(cls, dp_group: Any, partitioned: bool, params: Sequence[torch.Tensor] = (),
+                      run_groups: RunGroups | None = None) -> GradSpace:
+        """Data (and expert) parallelism alone; the expert parts' groups from `run_groups` (the
+        factory), else the current run's (a wrapper built outside the factory: tests, tools)."""
+        return cls(dp_group, partitioned, {} if partitioned else expert_parallel_groups(params, run_groups))
 
     def part_of(self, param: torch.Tensor) -> PartKey:
         """The part a parameter's gradient elements belong to."""

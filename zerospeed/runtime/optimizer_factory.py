@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer
 from zerospeed.runtime.fp16.loss_scaler import LossScaler, create_loss_scaler
 from zerospeed.runtime.grad_space import GradSpace, PipelineStages
@@ -147,32 +148,35 @@ def check_zero_supported(basic: torch.optim.Optimizer, config: Any) -> None:
 
 
 def build_grad_space(stage: int, dp_group: Any, params: list[Any], module: torch.nn.Module,
-                     tp_group: Any = None) -> GradSpace:
+                     run_groups: RunGroups | None = None) -> GradSpace:
     """The step's gradient space, once, from the run's groups ([Note: gradient space] in
-    grad_space.py): ZeRO 1-3 partitions over `dp_group`, stage 0's expert parts over their ep
-    groups, AutoTP's split elements over `tp_group` (None without AutoTP), and a pipeline's stages
-    and tied copies from its module."""
+    grad_space.py; [Note: run groups] in comm/run_groups.py): ZeRO 1-3 partitions over `dp_group`,
+    stage 0's expert parts over their ep groups, AutoTP's split elements over the tp group, and a
+    pipeline's stages (its pipe and pipe x tensor groups) with the tied copies its module counts."""
+    base = GradSpace.data_parallel(dp_group, stage > 0, params, run_groups)
+    if run_groups is None:
+        return base
     from zerospeed.runtime.pipe.module import PipelineModule
 
     pipeline = None
-    if isinstance(module, PipelineModule):
-        grid, tied = module.mpu(), module.tied_comms
-        pipeline = PipelineStages(grid.get_pipe_parallel_group(), grid.get_model_parallel_group(),
+    if isinstance(module, PipelineModule) and run_groups.pipe_parallel is not None \
+            and run_groups.pipe_model_parallel is not None:
+        tied = module.tied_comms
+        pipeline = PipelineStages(run_groups.pipe_parallel.group, run_groups.pipe_model_parallel.group,
                                   lambda: tied.duplicate_sq_norm(dp_group))
-    base = GradSpace.data_parallel(dp_group, stage > 0, params)
-    return dataclasses.replace(base, tp_group=tp_group, pipeline=pipeline)
+    return dataclasses.replace(base, tp_group=run_groups.tp_group, pipeline=pipeline)
 
 
 def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision: PrecisionSettings,
                             dp_group: Any, param_names: dict[torch.nn.Parameter, str],
-                            module: torch.nn.Module, tp_group: Any = None) -> DeepSpeedOptimizer:
+                            module: torch.nn.Module, run_groups: RunGroups | None = None) -> DeepSpeedOptimizer:
     """The one place the ZeRO stage is branched on."""
     check_zero_supported(basic, config)
     stage = config.zero_optimization_stage
     loss_scaler = build_loss_scaler(config, precision)
     zero_config = config.zero_config
     params = [p for group in basic.param_groups for p in group["params"] if p.requires_grad]
-    space = build_grad_space(stage, dp_group, params, module, tp_group)
+    space = build_grad_space(stage, dp_group, params, module, run_groups)
     if stage == 0:
         from zerospeed.runtime.data_parallel import DataParallelOptimizer
 
@@ -185,16 +189,17 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
 
         return DeepSpeedZeroOptimizer(basic, zero_config, precision, loss_scaler, dp_group,
                                       partition_grads=stage == 2, param_names=param_names, offload=offload,
-                                      grad_space=space)
+                                      grad_space=space, run_groups=run_groups)
     from zerospeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     return DeepSpeedZeroOptimizer_Stage3(module, basic, zero_config, precision, loss_scaler, dp_group,
                                          param_names=param_names, offload=offload, aio_config=config.aio_config,
-                                         grad_space=space)
+                                         grad_space=space, run_groups=run_groups)
 
 
 def build_parameter_offload(config: Any, precision: PrecisionSettings, dp_group: Any,
-                            param_names: dict[torch.nn.Parameter, str], module: torch.nn.Module) -> Any:
+                            param_names: dict[torch.nn.Parameter, str], module: torch.nn.Module,
+                            run_groups: RunGroups | None = None) -> Any:
     """The engine without an optimizer ([Note: engine without an optimizer] in engine.py): at stage 3
     the partitioning hooks alone, DeepSpeed's `DeepSpeedZeRoOffload` as `engine.optimizer`, with the
     coordinator and prefetch an engine with an optimizer gets; below stage 3 nothing (weights whole)."""
@@ -208,7 +213,7 @@ def build_parameter_offload(config: Any, precision: PrecisionSettings, dp_group:
     if offload_enabled and offload.device.value == "nvme":
         raise NotImplementedError("zero_optimization.offload_param.device='nvme' without an optimizer "
                                   "(ZeRO-Inference from NVMe) is not implemented; use device 'cpu' or none")
-    hooks = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names, precision.param_dtype)
+    hooks = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names, precision.param_dtype, run_groups)
     if offload_enabled:   # the partitions live in host memory; gathers run on the compute device
         _partitions_to_host(hooks.params, bool(offload.pin_memory))
     return hooks

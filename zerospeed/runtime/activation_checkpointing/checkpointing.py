@@ -8,6 +8,13 @@ level `CheckpointingSettings` that `configure()` replaces as a whole.
 block, then each explicit argument that is not None. Unlike DeepSpeed, option dependencies are
 errors (`ValueError`) rather than asserts, `checkpoint_in_cpu` works without partitioning, and any
 activation size can be partitioned (padded), not only multiples of the model-parallel size.
+
+[Note: checkpointing's tensor-parallel rank]
+The model-parallel RNG tracker's seed (`seed + 2718 + tp_rank`) and the group activations are
+partitioned over need this rank's tensor-parallel rank and group. An mpu given to `configure`
+(DeepSpeed's public API: Megatron's or the user's) wins, read by the getter names it has; without
+one they are the run's tensor-parallel group ([Note: run groups] in comm/run_groups.py): AutoTP's
+group, or none (rank 0, no partitioning) for a run without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from typing import Any
 
 import torch
 
+from zerospeed import comm
+from zerospeed.comm import groups
+from zerospeed.comm.run_groups import AxisGroup
 from zerospeed.runtime.activation_checkpointing.checkpoint_function import run_checkpointed
 from zerospeed.runtime.activation_checkpointing.config import (
     DeepSpeedActivationCheckpointingConfig,
@@ -82,11 +92,18 @@ def get_mpu() -> Any:
     return _mpu
 
 
+def _run_tensor_parallel() -> AxisGroup | None:
+    """The current run's tensor-parallel group ([Note: checkpointing's tensor-parallel rank])."""
+    run = groups.get_run_groups()
+    return None if run is None else run.tensor_parallel
+
+
 def _tensor_parallel_rank(mpu: Any) -> int:
     """This rank's tensor-parallel rank by the configured mpu (Megatron's and DeepSpeed's getter
-    names differ between versions), 0 without one."""
+    names differ between versions), else by the run's groups; 0 without either."""
     if mpu is None:
-        return 0
+        tp = _run_tensor_parallel()
+        return 0 if tp is None else tp.rank_of(comm.get_rank())
     for getter in ("get_tensor_model_parallel_rank", "get_model_parallel_rank", "get_slice_parallel_rank"):
         if hasattr(mpu, getter):
             return int(getattr(mpu, getter)())
@@ -95,7 +112,8 @@ def _tensor_parallel_rank(mpu: Any) -> int:
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """DeepSpeed's name: seed the default generator with `seed` and the model-parallel tracker with
-    `seed + 2718 + tp_rank`, the tp rank read from the mpu given to `configure`."""
+    `seed + 2718 + tp_rank`, the tp rank from the mpu given to `configure`, else from the run's groups
+    ([Note: checkpointing's tensor-parallel rank])."""
     seed_model_parallel(seed, _tensor_parallel_rank(_mpu))
 
 
@@ -105,7 +123,8 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
 
 def _partition_group(mpu: Any) -> PartitionGroup:
     if mpu is None:
-        return PartitionGroup()
+        tp = _run_tensor_parallel()
+        return PartitionGroup() if tp is None else PartitionGroup(tp.rank_of(comm.get_rank()), tp.size, tp.group)
     prefix = "get_tensor_model_parallel" if hasattr(mpu, "get_tensor_model_parallel_rank") else "get_model_parallel"
     return PartitionGroup(int(getattr(mpu, f"{prefix}_rank")()), int(getattr(mpu, f"{prefix}_world_size")()),
                           getattr(mpu, f"{prefix}_group")())

@@ -23,10 +23,11 @@ class EngineTensorParallel:
     module: torch.nn.Module
     optimizer: Any
     dp_group: Any
+    run_groups: Any   # the run's frozen groups (comm/run_groups.py), built before AutoTP shards
 
     def _init_tensor_parallel(self, model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -> Any:
         """Shard ``model`` when AutoTP is on; returns the data-parallel group it built (else None)."""
-        self.tensor_parallel = setup_autotp(model, raw_config, mpu)
+        self.tensor_parallel = setup_autotp(model, raw_config, mpu, self.run_groups)
         return None if self.tensor_parallel is None else self.tensor_parallel.dp_group
 
     def _tp_batch_config(self, raw_config: dict[str, Any], dp_world_size: int) -> dict[str, Any]:

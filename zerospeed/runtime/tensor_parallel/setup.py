@@ -29,12 +29,13 @@ import torch
 
 from zerospeed import comm
 from zerospeed.comm import groups
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.comm.topology import PipeModelDataParallelTopology
 from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
 from zerospeed.runtime.tensor_parallel.plan import Partition
 from zerospeed.runtime.tensor_parallel.shard import apply_autotp
 
-__all__ = ["TensorParallelSetup", "TpModelInitArgs", "record_tp_model_init",
+__all__ = ["TensorParallelSetup", "TpModelInitArgs", "build_tensor_parallel_grid", "record_tp_model_init",
            "resolve_tp_config", "setup_autotp"]
 
 _RECORD_ATTR = "ds_tp_model_init_args"
@@ -115,11 +116,11 @@ def _check_user_group(config: TPTrainingConfig, built: groups.AxisGroup) -> None
 
 
 @torch.no_grad()
-def _share_starting_state(model: torch.nn.Module, tp_group: Any) -> None:
+def _share_starting_state(model: torch.nn.Module, tp_group: groups.AxisGroup) -> None:
     for tensor in [*model.parameters(), *model.buffers()]:
         comm.broadcast(tensor.data, src=0)
     rng = torch.get_rng_state()
-    comm.broadcast(rng, src=groups.get_tensor_model_parallel_src_rank(), group=tp_group)
+    comm.broadcast(rng, src=tp_group.ranks[0], group=tp_group.group)
     torch.set_rng_state(rng)
 
 
@@ -132,23 +133,35 @@ def _build_grid(tp_size: int, world_size: int) -> None:
         groups.initialize(topology)
 
 
-def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any) -> TensorParallelSetup | None:
-    """Build the groups and shard ``model`` when AutoTP is on; None when it is off."""
-    config = resolve_tp_config(raw_config, model)
-    if config.tp_size <= 1:
-        return None
-    _refuse_zero_init_model(config.tp_size, model)
+def build_tensor_parallel_grid(tp_size: int, model: torch.nn.Module,
+                               mpu: Any) -> tuple[groups.AxisGroup, groups.AxisGroup]:
+    """AutoTP's (tensor, data) groups from the data x model grid, after the checks that come before
+    any group is built (collective; `engine_groups.build_run_groups` calls it)."""
+    _refuse_zero_init_model(tp_size, model)
     if mpu is not None:
         raise ValueError("tensor_parallel.autotp_size > 1 builds its own groups; do not pass an mpu as well")
     world_size = comm.get_world_size()
-    if world_size % config.tp_size:
-        raise ValueError(f"tensor_parallel.autotp_size ({config.tp_size}) must divide the world size ({world_size})")
-    _build_grid(config.tp_size, world_size)
-    tp = groups.get_group(groups.MODEL_PARALLEL)
+    if world_size % tp_size:
+        raise ValueError(f"tensor_parallel.autotp_size ({tp_size}) must divide the world size ({world_size})")
+    _build_grid(tp_size, world_size)
+    return groups.get_group(groups.MODEL_PARALLEL), groups.get_group(groups.DATA_PARALLEL)
+
+
+def setup_autotp(model: torch.nn.Module, raw_config: dict[str, Any], mpu: Any,
+                 run_groups: RunGroups | None = None) -> TensorParallelSetup | None:
+    """Shard ``model`` when AutoTP is on, over the run's tensor-parallel group (built here when no
+    `run_groups` are given); None when it is off."""
+    config = resolve_tp_config(raw_config, model)
+    if config.tp_size <= 1:
+        return None
+    if run_groups is None or run_groups.tensor_parallel is None:
+        tp, dp = build_tensor_parallel_grid(config.tp_size, model, mpu)
+    else:
+        tp, dp = run_groups.tensor_parallel, run_groups.data_parallel
     _check_user_group(config, tp)
-    _share_starting_state(model, tp.group)
+    _share_starting_state(model, tp)
     plan = apply_autotp(model, tp.group, config.partition_config)
-    return TensorParallelSetup(config, tp.group, groups.get_data_parallel_group(), plan)
+    return TensorParallelSetup(config, tp.group, dp.group, plan)
 
 
 def _refuse_zero_init_model(tp_size: int, model: torch.nn.Module) -> None:

@@ -38,6 +38,7 @@ from typing import Any, cast
 
 import torch
 
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.zero.param_state import (
     ZeroParameter,
     ZeroParamStatus,
@@ -63,21 +64,22 @@ __all__ = ["DeepSpeedZeRoOffload", "check_partition_group", "partition_group", "
            "z3_leaf_module"]
 
 
-def partition_group(param: torch.nn.Parameter, dp_group: Any) -> Any:
+def partition_group(param: torch.nn.Parameter, dp_group: Any, run_groups: RunGroups | None = None) -> Any:
     """[Note: MoE at stage 3] An expert parameter (`allreduce=False`, `group_name`) is partitioned over
-    its expert-data-parallel group: the ranks that hold the same experts. Every other parameter over
-    the data-parallel group."""
+    its expert-data-parallel group: the ranks that hold the same experts (from the run's groups,
+    [Note: run groups] in comm/run_groups.py). Every other parameter over the data-parallel group."""
     if getattr(param, "allreduce", True) is False and hasattr(param, "group_name"):
-        from zerospeed.utils import groups
+        from zerospeed.comm import groups
 
-        return groups._get_expert_data_parallel_group(param.group_name)
+        return groups.expert_groups(param.group_name, run_groups).expert_data_parallel.group
     return dp_group
 
 
-def check_partition_group(param: torch.nn.Parameter, dp_group: Any, name: str) -> None:
+def check_partition_group(param: torch.nn.Parameter, dp_group: Any, name: str,
+                          run_groups: RunGroups | None = None) -> None:
     """A parameter partitioned by zero.Init (over the data-parallel group, before any expert group
     existed) cannot serve as an expert parameter."""
-    wanted = partition_group(param, dp_group)
+    wanted = partition_group(param, dp_group, run_groups)
     # (the MoE layer deep-copies its expert: under zero.Init the copies even lose their ZeRO state)
     if wanted is not dp_group and getattr(getattr(param, "zs_state", None), "group", None) is not wanted:
         raise ValueError(f"ZeRO-3: expert parameter {name!r} ({param.group_name}) was partitioned by "  # type: ignore[attr-defined]
@@ -117,9 +119,10 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
 
     def __init__(self, module: torch.nn.Module, zero_config: Any, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, run_groups: RunGroups | None = None) -> None:
         self.module = module
         self.dp_group = dp_group
+        self.run_groups = run_groups
         names = param_names or {}
         self._convert(module, names, param_dtype)
         # _convert made every parameter a ZeroParameter
@@ -156,10 +159,11 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
                 if param_dtype is not None and param.is_floating_point():
                     param.data = param.data.to(param_dtype)
                 # The engine broadcast the unpartitioned params from rank 0 already.
-                convert_to_zero_param(param, partition_group(param, self.dp_group), name=names.get(param, name),
+                convert_to_zero_param(param, partition_group(param, self.dp_group, self.run_groups),
+                                      name=names.get(param, name),
                                       broadcast=False)
             else:  # built under zero.Init: the model-level name replaces the class-level one
-                check_partition_group(param, self.dp_group, names.get(param, name))
+                check_partition_group(param, self.dp_group, names.get(param, name), self.run_groups)
                 param.zs_state.name = names.get(param, name)
 
     def _mark_persistent(self, threshold: int, model_threshold: int) -> None:

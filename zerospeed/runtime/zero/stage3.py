@@ -32,6 +32,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, tensor_bytes
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_space import GradSpace, Piece
@@ -57,7 +58,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
                  precision: PrecisionSettings, loss_scaler: LossScaler, dp_group: Any,
                  param_names: dict[torch.nn.Parameter, str] | None = None,
                  offload: OffloadStates | None = None, aio_config: Any = None,
-                 grad_space: GradSpace | None = None) -> None:
+                 grad_space: GradSpace | None = None, run_groups: RunGroups | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision, grad_space or GradSpace.data_parallel(dp_group, True))
         self.offload = offload
         self.aio_config = resolve_aio_config(aio_config, offload)
@@ -71,7 +72,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self.reduce_bucket_size = max(1, int(zero_config.reduce_bucket_size))
         self.overlap_comm = bool(zero_config.overlap_comm)
         self.parameter_offload = DeepSpeedZeRoOffload(module, zero_config, dp_group, param_names,
-                                                      precision.param_dtype)
+                                                      precision.param_dtype, run_groups)
         self._init_sub_groups()
         # Muon's matrix owners ([Note: owner-based Muon]); nothing for other optimizers
         attach_zero3(self.optimizer, self._group_ranges, self.fp16_groups, self.fp32_flat,

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.base_optimizer import DeepSpeedOptimizer, StepGradients, tensor_bytes
 from zerospeed.runtime.config_utils import warn_config
 from zerospeed.runtime.expert_gradients import DENSE, expert_group_name
@@ -132,8 +133,9 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     def __init__(self, init_optimizer: torch.optim.Optimizer, zero_config: Any, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, partition_grads: bool,
                  param_names: dict[torch.nn.Parameter, str], offload: OffloadStates | None = None,
-                 grad_space: GradSpace | None = None) -> None:
+                 grad_space: GradSpace | None = None, run_groups: RunGroups | None = None) -> None:
         self._init_base(init_optimizer, loss_scaler, precision, grad_space or GradSpace.data_parallel(dp_group, True))
+        self.run_groups = run_groups   # expert-data-parallel groups of MoE param groups ([Note: run groups])
         self.offload = offload
         # where the masters, optimizer state and step gradients live, decided once (offload/group_placement.py)
         self.placement = build_group_placement(init_optimizer, zero_config, offload)
@@ -198,9 +200,9 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             return self.dp_process_group
         if not all(experts):
             raise ValueError(f"param group {group_index} is marked moe but holds non-expert parameters")
-        from zerospeed.utils import groups
+        from zerospeed.comm import groups
 
-        return groups._get_expert_data_parallel_group(group["name"])
+        return groups.expert_groups(group["name"], self.run_groups).expert_data_parallel.group
 
     def _init_grad_buffers(self, layout: GroupLayout, device: torch.device,
                            dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

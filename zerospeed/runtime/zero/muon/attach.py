@@ -85,6 +85,6 @@ def _expert_dp_group(params: Sequence[Any]) -> Any:
         raise ValueError("a Muon param group mixes MoE expert parameters with others (or several expert groups): "
                          "build the param groups with zerospeed.moe.utils.split_params_into_different_moe_groups_"
                          "for_optimizer")
-    from zerospeed.utils import groups
+    from zerospeed.comm import groups
 
-    return groups._get_expert_data_parallel_group(str(names.pop()))
+    return groups.expert_groups(str(names.pop())).expert_data_parallel.group
