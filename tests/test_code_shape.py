@@ -28,12 +28,6 @@ LONG_FILES = {
 ALLOWED_CYCLES = [
     {"zerospeed.monitor.monitor", "zerospeed.monitor.tensorboard", "zerospeed.monitor.csv_monitor",
      "zerospeed.monitor.wandb", "zerospeed.monitor.comet"},
-    # Left to remove (issue 28): DeepSpeed's per-parameter methods `param.all_gather()` /
-    # `param.partition()` live on the parameter class in param_state.py and call the gather
-    # primitives of partition_parameters.py, which are built on that class (one lazy import back);
-    # partition_parameters re-exports zero.Init, whose module converts through param_conversion.
-    {"zerospeed.runtime.zero.param_state", "zerospeed.runtime.zero.partition_parameters",
-     "zerospeed.runtime.zero.zero_init", "zerospeed.runtime.zero.param_conversion"},
 ]
 
 

@@ -32,7 +32,7 @@ from zerospeed.runtime.engine_setup import (
 )
 from zerospeed.runtime.optimizer_factory import build_optimizer_wrapper, build_parameter_offload
 from zerospeed.runtime.precision import PrecisionSettings
-from zerospeed.runtime.tensor_parallel.engine_api import EngineTensorParallel
+from zerospeed.runtime.tensor_parallel.engine_component import EngineTensorParallel
 from zerospeed.utils.host_allocator import settle_mmap_threshold
 from zerospeed.utils.logging import log_dist, logger
 
@@ -50,7 +50,7 @@ NO_OPTIMIZER = ("this engine has no optimizer: deepspeed.initialize got no `opti
                 "not {}(); pass an optimizer to train")
 
 
-class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, torch.nn.Module):
+class DeepSpeedEngine(EngineClientAPI, EngineAccessors, torch.nn.Module):
     def __init__(self, args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
@@ -64,11 +64,12 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
         self.parallel_layout.validate()
         # Every group of the run, once, frozen ([Note: run groups] in comm/run_groups.py).
         self.run_groups = build_run_groups(self.parallel_layout, raw_config, model, mpu)
-        self._init_tensor_parallel(model, raw_config, mpu)   # AutoTP shards over the run's tp group
+        # AutoTP shards the model over the run's tp group (tensor_parallel/setup.py).
+        self.tensor_parallel = EngineTensorParallel.build(model, raw_config, mpu, self.run_groups)
         self._init_parallel_groups()
         self.global_rank = comm.get_rank()
         self.config = config  # DeepSpeed's attribute: the config as given (dict or path); clients read it
-        batch_config = self._tp_batch_config(raw_config, self.dp_world_size)   # the given config unless restated
+        batch_config = self.tensor_parallel.batch_config(raw_config, self.dp_world_size)   # the given config unless restated
         self._config = config_class or DeepSpeedConfig(config if batch_config is raw_config else batch_config, mpu,
                                                        world_size=self.dp_world_size)
         self._apply_log_level()
@@ -316,7 +317,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
 
     def _checkpoint_site(self) -> CheckpointSite:
         """Where this rank's checkpoint files go (the pipeline engine has its own)."""
-        return plain_checkpoint_site(self.module, self.tensor_parallel, self.dp_group, self.bfloat16_enabled())
+        return plain_checkpoint_site(self.module, self.tensor_parallel.setup, self.dp_group, self.bfloat16_enabled())
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds for lp params, grads, fp32 masters and optimizer states (ours)."""
@@ -335,7 +336,7 @@ class DeepSpeedEngine(EngineTensorParallel, EngineClientAPI, EngineAccessors, to
                         "False", os.path.join(save_dir, save_filename))
             return False
         state_dict = self._module_state_dict_16bit(exclude_frozen_parameters)
-        state_dict = self._full_weights(state_dict)  # AutoTP: every tp rank takes part
+        state_dict = self.tensor_parallel.full_weights(state_dict)  # AutoTP: every tp rank takes part
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state_dict, os.path.join(save_dir, save_filename))

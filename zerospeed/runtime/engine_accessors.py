@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+from zerospeed import comm
+from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
+from zerospeed.runtime.tensor_parallel.engine_component import EngineTensorParallel
+
 
 def _zero_key(key: str) -> Callable[[Any], Any]:
     """An accessor returning `zero_optimization.<key>` (DeepSpeed's `zero_*()` getters, one a key)."""
@@ -42,6 +46,8 @@ class EngineAccessors:
     communication_data_type: torch.dtype
     _global_grad_norm: float | None
     _step_applied: bool
+    tensor_parallel: EngineTensorParallel
+    dp_group: Any
 
     # --- batch sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -286,6 +292,26 @@ class EngineAccessors:
     @property
     def gate_modules(self) -> list[Any]:
         return self._moe_info.gate_modules
+
+    # --- tensor parallelism (tensor_parallel/engine_component.py) ---------------------------------
+    def autotp_size(self) -> int:
+        return self._config.tensor_parallel_config.autotp_size
+
+    def tensor_parallel_config(self) -> TPTrainingConfig:
+        return self._config.tensor_parallel_config
+
+    def get_tensor_parallel_rank(self) -> int:
+        return self.tensor_parallel.tp_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tensor_parallel.tp_rank
+
+    def get_data_parallel_rank(self) -> int:
+        return comm.get_rank(self.dp_group)
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.tensor_parallel.tp_size
 
     # --- sequence parallelism -------------------------------------------------------------------
     def get_sequence_parallel_group(self) -> Any:

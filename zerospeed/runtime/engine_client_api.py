@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from zerospeed.runtime.base_optimizer import NOT_PARTITIONED, DeepSpeedOptimizer
+from zerospeed.runtime.tensor_parallel.engine_component import EngineTensorParallel
 from zerospeed.runtime.zero.offload.config import OffloadDeviceEnum
 from zerospeed.runtime.zero.state_offload import NO_OPTIMIZER, PARAM_OFFLOAD, StatesOffloader, refine_include
 
@@ -28,6 +29,7 @@ class EngineClientAPI:
     _config: Any
     module: torch.nn.Module
     optimizer: DeepSpeedOptimizer | None
+    tensor_parallel: EngineTensorParallel
     _is_compiled: bool = False
     _states_offloader: StatesOffloader | None = None
 
@@ -42,7 +44,11 @@ class EngineClientAPI:
         return bool(self._config.zero_config.gather_16bit_weights_on_model_save)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        """The full 16-bit state dict where weights are partitioned (stage 3); DeepSpeed raises otherwise."""
+        """The full 16-bit state dict where weights are partitioned (stage 3); DeepSpeed raises otherwise.
+        Under AutoTP: the unsharded model's on global rank 0, {} on the others (collective)."""
+        if self.tensor_parallel.enabled:
+            return self.tensor_parallel.consolidated_16bit_state_dict(
+                self._module_state_dict_16bit, exclude_frozen_parameters)  # type: ignore[attr-defined]
         if self.optimizer is None:
             raise ValueError(NOT_PARTITIONED)
         return self._module_state_dict_16bit(exclude_frozen_parameters)  # type: ignore[attr-defined]
@@ -53,7 +59,7 @@ class EngineClientAPI:
         at ZeRO-3: every data-parallel rank iterates."""
         from zerospeed.runtime.zero.weight_stream import iter_full_weights
 
-        if getattr(self, "tensor_parallel", None) is not None:
+        if self.tensor_parallel.enabled:
             raise NotImplementedError("iter_full_weights with AutoTP (tensor_parallel.autotp_size > 1) is not "
                                       "implemented: the weights are split over the tp group")
         return iter_full_weights(self.module, bucket_bytes)

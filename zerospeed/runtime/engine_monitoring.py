@@ -9,7 +9,7 @@ samples/s, tokens/s and memory), at each accumulation boundary, on rank 0, again
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,6 +19,30 @@ _BREAKDOWN_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
 # DeepSpeed's monitor tags for the timers: Train/Samples/elapsed_time_ms_<tag>.
 _TIMER_TAGS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
                "bwd_allreduce": "backward_allreduce", "step": "step"}
+
+
+__all__ = ["EngineMonitoring", "MonitoredEngine"]
+
+
+class MonitoredEngine(Protocol):
+    """What monitoring reads of its engine: the counters, the step's lr / loss scale / norm, and the
+    module the flops profiler measures (the engine itself is handed to the profiler, as DeepSpeed's)."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+
+    def steps_per_print(self) -> int | None: ...
+
+    def get_lr(self) -> list[float]: ...
+
+    def fp16_enabled(self) -> bool: ...
+
+    def was_step_applied(self) -> bool: ...
+
+    def get_global_grad_norm(self) -> float | None: ...
 
 
 class EngineMonitoring:
@@ -70,19 +94,20 @@ class EngineMonitoring:
     def on_micro_step_end(self, is_boundary: bool) -> None:
         self.tput_timer.stop(global_step=is_boundary, report_speed=is_boundary and self.global_rank == 0)
 
-    def on_boundary(self, engine: Any) -> None:
+    def on_boundary(self, engine: MonitoredEngine) -> None:
         if self._loss_sum is not None:
             self.last_loss = float(self._loss_sum.float().item())
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events(self._events(engine))
         self.report_flops_profile()
-        if self.breakdown and engine.steps_per_print() and engine.global_steps % engine.steps_per_print() == 0:
+        every = engine.steps_per_print()
+        if self.breakdown and every and engine.global_steps % every == 0:
             self.timers.log([f"{name}_microstep" for name in _BREAKDOWN_TIMERS] + list(_BREAKDOWN_TIMERS),
                             memory_breakdown=bool(self.config.memory_breakdown))
         self._loss_sum = None
         self._tokens_in_step = 0
 
-    def _events(self, engine: Any) -> list[tuple[str, float, int]]:
+    def _events(self, engine: MonitoredEngine) -> list[tuple[str, float, int]]:
         step = engine.global_samples
         events = [("Train/Samples/lr", float(engine.get_lr()[0]), step),
                   ("Train/Samples/skipped_steps", float(engine.skipped_steps), step)]
@@ -91,8 +116,9 @@ class EngineMonitoring:
         if engine.fp16_enabled():
             events.append(("Train/Samples/loss_scale", float(engine.optimizer.cur_scale), step))
         # A skipped (overflow) step keeps the last applied step's norm ([Note: one step]): not this step's.
-        if engine.was_step_applied() and engine.get_global_grad_norm() is not None:
-            events.append(("Train/Samples/grad_norm", float(engine.get_global_grad_norm()), step))
+        norm = engine.get_global_grad_norm()
+        if engine.was_step_applied() and norm is not None:
+            events.append(("Train/Samples/grad_norm", float(norm), step))
         events += self._throughput_events(step)
         if self.breakdown:
             events += [(f"Train/Samples/elapsed_time_ms_{_TIMER_TAGS[name]}", self.timers(name).elapsed(reset=False),
@@ -112,13 +138,13 @@ class EngineMonitoring:
         return events
 
     # --- flops profiler -----------------------------------------------------------------------------
-    def profiling_this_step(self, engine: Any) -> bool:
+    def profiling_this_step(self, engine: MonitoredEngine) -> bool:
         profiler_config = self.config.flops_profiler_config
         # Only the first micro-batch of the profiled step: its forward is what the report describes.
         return bool(profiler_config.enabled) and self.global_rank == 0 and self.flops_profiler is None and \
             engine.global_steps + 1 == profiler_config.profile_step
 
-    def start_flops_profile(self, engine: Any) -> None:
+    def start_flops_profile(self, engine: MonitoredEngine) -> None:
         from zerospeed.profiling.flops_profiler import FlopsProfiler
 
         self.flops_profiler = FlopsProfiler(engine.module, engine,

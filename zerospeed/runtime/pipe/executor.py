@@ -19,14 +19,14 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from zerospeed.runtime.pipe import instructions as ins
 from zerospeed.runtime.pipe import p2p
 
-__all__ = ["MAX_PENDING_SENDS", "StageExecutor"]
+__all__ = ["MAX_PENDING_SENDS", "StageExecutor", "StageHost", "StagePlace"]
 
 # Sends in flight per stage before the oldest is waited on: enough that a stage rarely waits for
 # its neighbour, few enough that the tensors they hold stay a handful of activations. The
@@ -43,17 +43,40 @@ class _Buffer:
     loss: torch.Tensor | None = None
 
 
-class StageExecutor:
-    """Executes instructions for one batch; built per train_batch / eval_batch call."""
+class StageHost(Protocol):
+    """What the executor uses of its engine: the stage's module, the optimizer wrapper its backward
+    passes go through, and the step an OptimizerStep instruction takes."""
 
-    def __init__(self, engine: Any, data_iter: Iterator[Any] | None, training: bool, compute_loss: bool = True) -> None:
-        self.engine = engine
-        self.module = engine.module
+    module: Any
+    optimizer: Any
+
+    def _pipeline_optimizer_step(self) -> None: ...
+
+
+class StagePlace(Protocol):
+    """Where the stage sits (its runner, schedule_runner.py): stage, device, peers, message sizes."""
+
+    num_stages: int
+    stage_id: int
+    device: torch.device
+    bytes_sent: p2p.MessageSizes
+    bytes_received: p2p.MessageSizes
+
+    def peer_rank(self, offset: int) -> int: ...
+
+
+class StageExecutor:
+    """Executes instructions for one batch; built per batch by the schedule runner."""
+
+    def __init__(self, place: StagePlace, host: StageHost, data_iter: Iterator[Any] | None, training: bool,
+                 micro_batches: int, compute_loss: bool = True, return_logits: bool = False) -> None:
+        self.place, self.host = place, host
+        self.module: Any = host.module
         self.data_iter = data_iter
-        self.training = training
-        self.compute_loss = compute_loss
-        self.num_stages = engine.num_stages
-        self.stage_id = engine.stage_id
+        self.training, self.micro_batches = training, micro_batches
+        self.compute_loss, self.return_logits = compute_loss, return_logits
+        self.num_stages = place.num_stages
+        self.stage_id = place.stage_id
         self.last_virtual = self.num_stages * self.module.num_chunks - 1
         self.buffers: dict[tuple[int, int], _Buffer] = {}
         self.losses: list[torch.Tensor] = []   # per micro-batch, in micro-batch order, last virtual stage
@@ -62,9 +85,7 @@ class StageExecutor:
         # benchmarks/bench_pipeline.py turns into each stage's idle fraction within the schedule's span.
         self.timeline: list[tuple[str, float, float]] = []
         self._sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
-        grid = engine.grid
-        self._next_rank = grid.stage_to_global((self.stage_id + 1) % self.num_stages)
-        self._prev_rank = grid.stage_to_global((self.stage_id - 1) % self.num_stages)
+        self._next_rank, self._prev_rank = place.peer_rank(1), place.peer_rank(-1)
         handlers: dict[type, Callable[[Any], None]] = {
             ins.LoadMicroBatch: self._load, ins.ForwardPass: self._forward, ins.BackwardPass: self._backward,
             ins.SendActivation: self._send_activation, ins.RecvActivation: self._recv_activation,
@@ -109,7 +130,7 @@ class StageExecutor:
 
     def _to_device(self, value: Any) -> Any:
         if torch.is_tensor(value):
-            return value.to(self.engine.device)
+            return value.to(self.place.device)
         if isinstance(value, (tuple, list)):
             return type(value)(self._to_device(v) for v in value)
         return value
@@ -141,15 +162,16 @@ class StageExecutor:
             buffer.loss = loss_fn(outputs, buffer.labels)
         else:
             buffer.loss = outputs
-        if not self.training and self.engine.eval_return_logits:
+        if not self.training and self.return_logits:
             self.logits.append(outputs)
         self.losses.append(buffer.loss.detach() if torch.is_tensor(buffer.loss) else buffer.loss)
 
     def _backward(self, cmd: ins.BackwardPass) -> None:
-        buffer, wrapper = self._buffer(cmd), self.engine.optimizer
+        buffer, wrapper = self._buffer(cmd), self.host.optimizer
         wrapper.prepare_backward(False)
         if self._virtual(cmd) == self.last_virtual:
-            loss = buffer.loss / self.engine.micro_batches
+            assert buffer.loss is not None, "the last stage's forward left no loss to run backward from"
+            loss = buffer.loss / self.micro_batches
             wrapper.scale_loss(loss).backward()
         else:
             outputs = p2p.grad_carrying(buffer.outputs)
@@ -159,15 +181,15 @@ class StageExecutor:
         buffer.outputs = buffer.grads = buffer.loss = buffer.labels = None
 
     def _send_activation(self, cmd: ins.SendActivation) -> None:
-        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._next_rank, self.engine.device,
-                                                self.engine.activation_bytes_sent))
+        self._sends.extend(p2p.send_activations(self._buffer(cmd).outputs, self._next_rank, self.place.device,
+                                                self.place.bytes_sent))
         self._wait_sends(MAX_PENDING_SENDS)
         if not self.training:
             self._buffer(cmd).outputs = None
 
     def _recv_activation(self, cmd: ins.RecvActivation) -> None:
-        self._buffer(cmd).inputs = p2p.recv_activations(self._prev_rank, self.engine.device,
-                                                        self.engine.activation_bytes_received)
+        self._buffer(cmd).inputs = p2p.recv_activations(self._prev_rank, self.place.device,
+                                                        self.place.bytes_received)
 
     def _send_grad(self, cmd: ins.SendGrad) -> None:
         buffer = self._buffer(cmd)
@@ -180,14 +202,14 @@ class StageExecutor:
         buffer.grads = p2p.recv_grads(buffer.outputs, self._next_rank)
 
     def _reduce_tied_grads(self, cmd: ins.ReduceTiedGrads) -> None:
-        wrapper = self.engine.optimizer
+        wrapper = self.host.optimizer
         wrapper.prepare_backward(False)
         self.module.tied_comms.reduce_and_inject()
         wrapper.backward_epilogue(False)
 
     def _reduce_grads(self, cmd: ins.ReduceGrads) -> None:
-        self.engine.optimizer.prepare_backward(False)
-        self.engine.optimizer.backward_epilogue(True)
+        self.host.optimizer.prepare_backward(False)
+        self.host.optimizer.backward_epilogue(True)
 
     def _optimizer_step(self, cmd: ins.OptimizerStep) -> None:
-        self.engine._pipeline_optimizer_step()
+        self.host._pipeline_optimizer_step()

@@ -17,7 +17,7 @@ tp rank, as DeepSpeed 0.19.8): each tp rank's pieces are its own parameters, par
 gathered among its dp peers only; replicated parameters are partitioned the same way in every tp
 group. The norm sums each parameter's real partition elements (stage3.py) as [Note:
 gradient space] in runtime/grad_space.py says. Full weights: each tp rank's pieces are gathered over dp onto dp rank
-0, then the tp group of dp rank 0 (global ranks 0..tp-1) joins them (engine_api.py).
+0, then the tp group of dp rank 0 (global ranks 0..tp-1) joins them (engine_component.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Every rank converts the same parameters in the same order (`zero.Init` walks modules as they are
 built; the engine walks the model), so the `ds_id`s it hands out agree across ranks. Kept apart
-from the gather primitives so that `zero.Init` (zero_init.py) can convert without importing
-partition_parameters.py, which re-exports `Init` at DeepSpeed's path.
+from partition_parameters.py so that `zero.Init` (zero_init.py) can convert without importing it
+(it re-exports `Init` at DeepSpeed's path). Each converted parameter's state is handed the gather
+primitives its `all_gather()` / `partition()` methods call (param_gather.py).
 """
 
 from __future__ import annotations
@@ -14,24 +15,20 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.runtime.zero.param_gather import PARAM_COLLECTIVES
 from zerospeed.runtime.zero.param_state import (
     ZeroParameter,
     ZeroParamState,
-    ZeroParamStatus,
     attach_state,
+    drop_data,
     is_zero_param,
     partition_numel,
     rank_span,
-    set_status,
 )
 
 __all__ = ["convert_to_zero_param", "drop_data"]
 
 _ds_ids = itertools.count()  # unique across every model this process builds, same order on every rank
-
-
-def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 @torch.no_grad()
@@ -50,13 +47,9 @@ def convert_to_zero_param(param: torch.nn.Parameter, group: Any = None, name: st
     part[:real].copy_(flat[start:start + real])
     state = ZeroParamState(ds_id=next(_ds_ids), shape=param.shape, numel=param.numel(),
                            world_size=world_size, dp_rank=dp_rank, group=group, partition=part,
-                           name=name, persist=persist)
+                           name=name, persist=persist, collectives=PARAM_COLLECTIVES)
     zparam = attach_state(param, state)
     if not persist:
         drop_data(zparam)
     return zparam
 
-
-def drop_data(param: ZeroParameter) -> None:
-    param.data = _empty_like(param.zs_state.partition)
-    set_status(param, ZeroParamStatus.NOT_AVAILABLE)

@@ -32,17 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, TypeGuard, cast
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 
 __all__ = [
+    "ParamCollectives",
     "PartitionedParameter",
     "ZeroParamState",
     "ZeroParamStatus",
     "ZeroParamType",
     "ZeroParameter",
     "attach_state",
+    "drop_data",
     "is_zero_param",
     "partition_numel",
     "rank_span",
@@ -95,6 +97,16 @@ def rank_span(numel: int, world_size: int, dp_rank: int) -> tuple[int, int]:
 
 # --- the typed state -------------------------------------------------------------------------------
 
+class ParamCollectives(Protocol):
+    """The gather and release primitives DeepSpeed's per-parameter methods (`param.all_gather()`,
+    `param.partition()`) call. They are built on this module's class (param_gather.py), so they are
+    handed to each parameter's state at conversion instead of imported here."""
+
+    def gather(self, params: list[torch.nn.Parameter]) -> Any: ...
+
+    def release(self, params: list[torch.nn.Parameter], has_been_updated: bool) -> None: ...
+
+
 @dataclasses.dataclass(eq=False)
 class ZeroParamState:
     ds_id: int
@@ -110,6 +122,7 @@ class ZeroParamState:
     active_sub_modules: set[int] = dataclasses.field(default_factory=set)
     strict: bool = False   # managed by an engine: compute on it while NOT_AVAILABLE raises
     swapped: Any = None    # a SwappedPartition when the partition lives on NVMe (`partition` is then empty)
+    collectives: ParamCollectives | None = None   # what all_gather() / partition() call (param_gather.py)
 
     @property
     def partition_numel(self) -> int:
@@ -164,18 +177,21 @@ class ZeroParameter(torch.nn.Parameter):
                 "active_sub_modules": sorted(state.active_sub_modules)}
 
     def all_gather(self, param_list: list[torch.nn.Parameter] | None = None, async_op: bool = False) -> Any:
-        from zerospeed.runtime.zero.partition_parameters import gather_params
-
-        handle = gather_params(param_list or [self])
+        handle = self._collectives().gather(param_list or [self])
         if not async_op:
             handle.wait()
         return handle
 
     def partition(self, param_list: list[torch.nn.Parameter] | None = None, has_been_updated: bool = False,
                   free_data: bool = True) -> None:
-        from zerospeed.runtime.zero.partition_parameters import release_params
+        self._collectives().release(param_list or [self], has_been_updated)
 
-        release_params(param_list or [self], has_been_updated=has_been_updated)
+    def _collectives(self) -> ParamCollectives:
+        collectives = self.zs_state.collectives
+        if collectives is None:
+            raise RuntimeError(f"parameter {self.zs_state.describe()} has no gather primitives: its state was "
+                               "not made by convert_to_zero_param")
+        return collectives
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickled / deep-copied as a plain Parameter
         return torch.nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
@@ -242,6 +258,13 @@ def set_status(param: ZeroParameter, status: ZeroParamStatus) -> None:
                                      f"{state.status.name} -> {status.name}")
     state.status = status
     _write_ds_attributes(param)
+
+
+def drop_data(param: ZeroParameter) -> None:
+    """-> NOT_AVAILABLE: the full data dropped, an empty tensor of the partition's dtype and device left."""
+    partition = param.zs_state.partition
+    param.data = torch.empty(0, dtype=partition.dtype, device=partition.device)
+    set_status(param, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def set_persist(param: ZeroParameter, persist: bool) -> None:

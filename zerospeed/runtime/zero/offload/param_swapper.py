@@ -6,7 +6,7 @@ is the byte range `[offset, offset + partition_numel) * element_size` of its sub
 (`SwappedPartition`). While swapped, the parameter's `ds_tensor` is an empty stand-in; the bytes
 are read when something needs them:
 
-- a gather (`partition_parameters._gather_same_dtype`) reads each swapped partition straight into
+- a gather (`param_gather._gather_same_dtype`) reads each swapped partition straight into
   its slice of the gather's input buffer (`read_into`), taking a read-ahead copy if one is ready;
 - the coordinator reads ahead along the trace (`prefetch`): partitions the next modules will
   gather are read into their own small tensors, at most `budget_numel` elements at a time
