@@ -9,7 +9,6 @@ continued: losses, every parameter, its fp32 master and both Adam moments at fp3
 at once (a fresh optimizer's first step is lr * sign(grad)).
 """
 
-import os
 
 import pytest
 import torch

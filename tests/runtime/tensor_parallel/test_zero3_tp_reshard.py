@@ -10,7 +10,6 @@ at once (a fresh optimizer's first step is lr * sign(grad)).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
