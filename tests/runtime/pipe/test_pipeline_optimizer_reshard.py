@@ -1,6 +1,6 @@
 """A pipeline checkpoint resumes at another layout directly, optimizer state included (no
 conversion step): another stage count, another partition of the layers, another data-parallel
-size ([Note: pipeline optimizer resharding]). A model trained with AdamW (ZeRO-1, a warmup
+size, the ZeRO stage ([Note: pipeline optimizer resharding]). A model trained with AdamW (ZeRO-1 or 2, a warmup
 scheduler) at one layout is saved and continued; a fresh run at the other layout, initialized
 differently, loads the checkpoint and takes the same steps. The global batch is the same on both
 sides (gradient accumulation makes up the dp size), so everything must equal the saving run
@@ -83,6 +83,7 @@ CASES = {   # name: model, (world size, (stages, partition method, ZeRO stage)) 
     "2stages_to_1stage_dp1": ("tied", (2, (2, "parameters", 1)), (1, (1, "parameters", 1))),
     "2stages_dp2_to_dp1": ("tied", (4, (2, "parameters", 1)), (2, (2, "parameters", 1))),
     "partition_uniform_to_parameters": ("mlp", (2, (2, "uniform", 1)), (2, (2, "parameters", 1))),
+    "2stages_z2_to_1stage_dp2_z1": ("tied", (2, (2, "parameters", 2)), (2, (1, "parameters", 1))),
 }
 
 
