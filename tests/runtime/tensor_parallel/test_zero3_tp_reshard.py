@@ -86,6 +86,7 @@ CASES = {   # name: (saved tp, stage), (loaded tp, stage)
     "tp1_dp2_z3_to_tp2_z3": ((1, 3), (2, 3)),
     "tp2_z3_to_tp1_dp2_z3": ((2, 3), (1, 3)),
     "tp2_z3_to_tp1_dp2_z1": ((2, 3), (1, 1)),
+    "tp2_z3_to_tp1_dp2_z0": ((2, 3), (1, 0)),
     "tp2_z1_to_tp1_dp2_z3": ((2, 1), (1, 3)),
     "tp1_dp2_z2_to_tp2_z3": ((1, 2), (2, 3)),
 }
