@@ -110,5 +110,8 @@ def check_fits(full: FullOptimizerState, shapes: dict[str, torch.Size], tag_dir:
 
 def same_stage_params(saved_shapes: Any, current_shapes: Any) -> bool:
     """A stage's saved `param_shapes` and this rank's, the same parameters in the same order (each
-    rank's own files then fit it)."""
-    return list(merge_param_shapes(saved_shapes or []).items()) == list(merge_param_shapes(current_shapes or []).items())
+    rank's own files then fit it). A file without the record (DeepSpeed's at ZeRO stage 0) is taken
+    to fit: only its stage count can tell."""
+    if saved_shapes is None:
+        return True
+    return list(merge_param_shapes(saved_shapes).items()) == list(merge_param_shapes(current_shapes or []).items())
