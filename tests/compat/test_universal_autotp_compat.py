@@ -8,7 +8,9 @@ AutoTP folders carry no `cat_dim` (its affine maps say where pieces go); zerospe
 split dimension there, DeepSpeed's meaning of `cat_dim`. Not crossed:
 DeepSpeed's converter needs the `universal_checkpoint_info` its AutoTP writes, which zerospeed's
 checkpoints do not carry, and zerospeed's converter refuses DeepSpeed's AutoTP checkpoints (no
-`autotp_shards` record); docs/checkpointing.md, the resharding matrix.
+`autotp_shards` record); docs/checkpointing.md, the resharding matrix. But the folders cross both
+ways: zerospeed loads the folder DeepSpeed's converter wrote, and DeepSpeed the folder zerospeed's
+wrote, at tp 2 and tp 1, continuing as zerospeed's uninterrupted run.
 """
 
 import os
@@ -82,3 +84,30 @@ def test_zerospeed_loads_deepspeeds_autotp_universal_folder_at_tp1(tmp_path) -> 
     assert read["loaded"].keys() == full.keys()
     for name, value in full.items():
         assert read["loaded"][name] == value, name
+
+
+@pytest.mark.parametrize("loaded_tp", [2, 1])
+def test_deepspeed_resumes_from_zerospeeds_autotp_universal_folder(tmp_path, loaded_tp) -> None:
+    """zerospeed's tp=2 ZeRO-1 checkpoint converted by zerospeed's converter (whole parameters,
+    `cat_dim` the split dimension) loads into DeepSpeed 0.19.8 with `"load_universal": true` at
+    tp 2 and at tp 1 (DeepSpeed cuts its pieces by its own AutoTP layers' restore metadata): the
+    weights zerospeed held, bit for bit, its step count, and the next two AdamW steps' losses and
+    weights equal to zerospeed's uninterrupted run at fp32 tolerance (a lost moment shows at once:
+    a fresh AdamW's first step is lr * sign(grad))."""
+    from compat_compare import assert_close_lists
+    from compat_harness import run_script
+
+    written = run_script(SCRIPT, "zerospeed", str(tmp_path / "zerospeed"), world_size=2, steps=2, stage=1,
+                         adam=True, then=2)[0]
+    ckpt = tmp_path / "zerospeed" / "ckpt"
+    _convert("zerospeed", str(ckpt / "t"), str(ckpt / "t_universal"))
+    read = run_script(SCRIPT, "deepspeed", str(tmp_path / "deepspeed"), world_size=loaded_tp, steps=0, stage=1,
+                      adam=True, universal=True, load_from={"deepspeed": str(ckpt)}, then=2)[0]
+    assert read["global_steps"] == 2
+    assert read["loaded"].keys() == written["full"].keys()
+    for name, value in written["full"].items():
+        assert read["loaded"][name] == value, name
+    assert_close_lists(read["then_losses"], written["then_losses"], "fp32", "losses after the load")
+    assert read["then_full"].keys() == written["then_full"].keys()
+    for name, value in written["then_full"].items():
+        assert_close_lists(read["then_full"][name], value, "fp32", f"{name} after two more steps")

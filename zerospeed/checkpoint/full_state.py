@@ -26,7 +26,7 @@ import torch
 from zerospeed.checkpoint import constants as C
 
 __all__ = ["FullOptimizerState", "export_stage0", "export_zero12", "export_zero3", "fragment_bounds",
-           "merge_param_shapes"]
+           "merge_param_shapes", "unite_stage_states"]
 
 
 @dataclasses.dataclass
@@ -37,6 +37,23 @@ class FullOptimizerState:
     param_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     loss_scaler: dict[str, Any] | None = None
     overflow: bool = False
+
+
+def unite_stage_states(per_stage: list[FullOptimizerState]) -> FullOptimizerState:
+    """Every pipeline stage's full-layout state (stage order) as the whole model's: the stages hold
+    other parameters (named by global layer index), but for a tied weight, which every stage
+    holding it updates alike: the first stage's copy is taken. Hyperparameters and the loss scaler
+    are the same on every stage: stage 0's."""
+    first = per_stage[0]
+    full = FullOptimizerState(param_groups=first.param_groups, loss_scaler=first.loss_scaler,
+                              overflow=any(state.overflow for state in per_stage))
+    for state in per_stage:
+        for name, master in state.fp32.items():
+            if name not in full.fp32:
+                full.fp32[name] = master
+                full.moments[name] = state.moments.get(name, {})
+                full.scalars[name] = state.scalars.get(name, {})
+    return full
 
 
 def merge_param_shapes(param_shapes: Any) -> dict[str, torch.Size]:

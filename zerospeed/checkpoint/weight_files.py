@@ -62,7 +62,8 @@ class WeightFiles:
 
     def model_file(self, ctx: CheckpointContext, reader: CheckpointReader) -> str:
         """This rank's model-states file: its mp rank's, mp_rank_00 when the tp size changed; at
-        ZeRO-3 its dp rank's, or dp rank 0's when saved on fewer dp ranks than now."""
+        ZeRO-3 its dp rank's, or dp rank 0's when saved on fewer dp ranks than now, or mp rank 0's
+        when saved on fewer tp ranks (the file set then reads every tp rank's files)."""
         tag_dir = reader.tag_dir
         names = [os.path.basename(f) for f in find_model_files(tag_dir)]
         if not names:
@@ -70,10 +71,10 @@ class WeightFiles:
         for plain in (model_states_name(0, mp_rank=ctx.mp_rank), model_states_name(0)):
             if plain in names:
                 return os.path.join(tag_dir, plain)
-        wanted = model_states_name(3, ctx.dp_rank, ctx.mp_rank)
-        if wanted not in names:
-            wanted = model_states_name(3, 0, ctx.mp_rank)
-        return os.path.join(tag_dir, wanted)
+        for dp_rank, mp_rank in ((ctx.dp_rank, ctx.mp_rank), (0, ctx.mp_rank)):
+            if model_states_name(3, dp_rank, mp_rank) in names:
+                return os.path.join(tag_dir, model_states_name(3, dp_rank, mp_rank))
+        return os.path.join(tag_dir, model_states_name(3, 0, 0))
 
     def saved_layout(self, ctx: CheckpointContext, reader: CheckpointReader, model_state: dict[str, Any]) -> SavedLayout:
         """What the tag directory holds for this rank's mp rank (its stage, dp size, files)."""
@@ -103,7 +104,7 @@ class WeightFiles:
         if saved.zero_stage == 0 and model_state.get(C.OPTIMIZER) is not None:
             model_state = {**model_state, C.OPTIMIZER: stage0_wrapper_state(ctx, model_state[C.OPTIMIZER])}
         if not load_optimizer_states:
-            restore_weights(ctx, saved, model_state)
+            restore_weights(ctx, saved, model_state, lambda: self.full_state(ctx, reader, saved, model_state))
             return
         if saved.layout == optimizer.checkpoint_layout() and not stage0_precision_changed(ctx, saved, model_state):
             optimizer.load_state_dict(own_state(saved, model_state, ctx.dp_rank), load_optimizer_states=True)

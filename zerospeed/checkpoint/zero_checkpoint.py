@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -127,13 +127,16 @@ def _each_optim_state(saved: SavedLayout) -> Iterator[dict[str, Any]]:
         yield load_file(path, mmap=True)[C.OPTIMIZER_STATE_DICT]
 
 
-def restore_weights(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> None:
+def restore_weights(ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any],
+                    full_state: Callable[[], FullOptimizerState] | None = None) -> None:
     """No optimizer state wanted: the weights come from the module file, except when either side
     keeps them in the optim files (ZeRO-3: its module file holds empty tensors): then from the fp32
-    masters of the optim files (DeepSpeed rebuilds them with zero_to_fp32). Moments and loss scale
-    stay fresh."""
+    masters of the optim files (DeepSpeed rebuilds them with zero_to_fp32), read by `full_state`
+    (the file set's: AutoTP joins every tp rank's pieces), by default this mp rank's files. Moments
+    and loss scale stay fresh."""
     if saved.zero_stage >= 3 or ctx.optimizer.weights_in_optimizer_files:
-        masters = FullOptimizerState(fp32=export_full_state(saved, model_state).fp32)
+        full = export_full_state(saved, model_state) if full_state is None else full_state()
+        masters = FullOptimizerState(fp32=full.fp32)
         ctx.optimizer.load_full_state(masters, ctx.param_names, load_optimizer_states=False)
         return
     # DeepSpeed's `_restore_from_bit16_weights`: fp32 masters re-derived from the module weights

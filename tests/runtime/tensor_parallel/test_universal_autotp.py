@@ -4,7 +4,7 @@ parameters joined from every tp rank), and resumed with `"load_universal": true`
 (the pieces cut again for the new tp size, then partitioned for the new stage and dp size). The
 next steps must equal the saving run continued: losses and full weights at fp32 tolerance, and
 the step count. A lost or misplaced Adam moment shows at once (a fresh optimizer's first step is
-lr * sign(grad)). The ZeRO-3 cases are the tp changes the direct load refuses (check_tp_reshard).
+lr * sign(grad)). The same ZeRO-3 tp changes load directly too (test_zero3_tp_reshard.py).
 """
 
 from __future__ import annotations

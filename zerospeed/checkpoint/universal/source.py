@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint import constants as C
-from zerospeed.checkpoint.full_state import FullOptimizerState, merge_param_shapes
+from zerospeed.checkpoint.full_state import FullOptimizerState, merge_param_shapes, unite_stage_states
 from zerospeed.checkpoint.layout import model_states_name
 from zerospeed.checkpoint.manifest import load_file
 from zerospeed.checkpoint.moe_reshard import EP_SIZES_KEY
@@ -63,18 +63,7 @@ class CheckpointSource:
 
     def combine(self, per_rank: list[FullOptimizerState]) -> FullOptimizerState:
         """Every model-parallel rank's full-layout state (rank order) as the whole model's."""
-        if not self.pipeline:
-            return join_tp_states(per_rank, self.record)
-        first = per_rank[0]
-        full = FullOptimizerState(param_groups=first.param_groups, loss_scaler=first.loss_scaler,
-                                  overflow=any(state.overflow for state in per_rank))
-        for state in per_rank:
-            for name, master in state.fp32.items():
-                if name not in full.fp32:   # a tied weight: every stage's copy is the same
-                    full.fp32[name] = master
-                    full.moments[name] = state.moments.get(name, {})
-                    full.scalars[name] = state.scalars.get(name, {})
-        return full
+        return unite_stage_states(per_rank) if self.pipeline else join_tp_states(per_rank, self.record)
 
 
 def checkpoint_source(tag_dir: str) -> CheckpointSource:

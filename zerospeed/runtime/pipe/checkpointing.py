@@ -12,10 +12,10 @@ what it contributes is its `CheckpointSite`: `PipelineLayerFiles`, where the wei
 *global* layer index, so they do not depend on how the layers were partitioned: a run with another
 partition or stage count reads them as they are. Each stage's data-parallel rank 0 writes its
 layers (DeepSpeed's default; `checkpoint.parallel_write.pipeline_stage` spreads them over the
-data-parallel ranks). The optimizer state follows the one rule: the same layout (stage count, ZeRO
-stage, data-parallel size of partitioned state) loads each rank's own files; another one is
-refused (resharding pipeline optimizer state directly is not implemented: a universal folder of the
-checkpoint, `ds_to_universal`, loads at any stage count and dp size); the weights load under any layout.
+data-parallel ranks). The optimizer state follows the one rule: the same layout (stage count, this
+stage's parameters, ZeRO stage, data-parallel size of partitioned state) loads each rank's own
+files; another one reads every stage's files into the whole model's state and cuts this rank's
+([Note: pipeline optimizer resharding] in optimizer_reshard.py); the weights load under any layout.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from zerospeed.checkpoint.full_state import FullOptimizerState
 from zerospeed.checkpoint.layout import model_states_name
 from zerospeed.checkpoint.reader import CheckpointReader
 from zerospeed.checkpoint.weight_files import WeightFiles
-from zerospeed.checkpoint.zero_checkpoint import SavedLayout
+from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
 from zerospeed.runtime.engine_checkpointer import CheckpointSite
+from zerospeed.runtime.pipe.optimizer_reshard import (PipelineLayout, check_fits, pipeline_full_state,
+                                                      same_stage_params, saved_pipeline_layout,
+                                                      saved_stage_count)
 from zerospeed.runtime.pipe.partition import partition_uniform
 
 __all__ = ["PipelineLayerFiles", "pipeline_checkpoint_site"]
@@ -73,11 +76,23 @@ class PipelineLayerFiles(WeightFiles):
             model_states[C.CHECKPOINT_PARALLEL_DIMENSIONS] = dict(self.parallel_dims)
 
     def model_file(self, ctx: CheckpointContext, reader: CheckpointReader) -> str:
+        """This stage's model-states file, or stage 0's where the checkpoint was saved with fewer
+        stages (the counters and the scheduler are the same in every stage's; the optimizer state
+        then reshards, [Note: pipeline optimizer resharding])."""
         path = reader.path(model_states_name(0, mp_rank=ctx.mp_rank))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"pipeline checkpoint {reader.tag_dir} has no {os.path.basename(path)} for this "
-                                    f"stage (saved with another number of stages?)")
-        return path
+        if os.path.isfile(path):
+            return path
+        first = reader.path(model_states_name(0, mp_rank=0))
+        if not os.path.isfile(first):
+            raise FileNotFoundError(f"pipeline checkpoint {reader.tag_dir} has neither {os.path.basename(path)} "
+                                    f"(this stage's) nor {os.path.basename(first)}")
+        return first
+
+    def saved_layout(self, ctx: CheckpointContext, reader: CheckpointReader, model_state: dict[str, Any]) -> SavedLayout:
+        """This stage's saved files, or stage 0's where the stage count changed (the ZeRO stage and
+        dp size are the same in every stage's)."""
+        same_stages = saved_stage_count(model_state) == self.parallel_dims["pp_degree"]
+        return discover(reader.tag_dir, bf16_first=self.bf16, mp_rank=ctx.mp_rank if same_stages else 0)
 
     def load_module(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
                     model_state: dict[str, Any], strict: bool, custom_load_fn: Any) -> None:
@@ -116,18 +131,30 @@ class PipelineLayerFiles(WeightFiles):
         self.module.tied_comms.synchronize_weights()
 
     def layout_changed(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
-        return False   # a stage's layer files hold its MoE layers whole: nothing beside the optimizer's layout
+        """Another stage count, or another partition of the layers (this stage's parameters differ
+        from those its saved files hold); the ZeRO stage and dp size the optimizer's layout shows."""
+        return (saved_stage_count(model_state) != self.parallel_dims["pp_degree"]
+                or not same_stage_params(model_state.get(C.PARAM_SHAPES), ctx.optimizer.param_shapes(ctx.param_names)))
 
     def load_own_optimizer_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout) -> bool:
         return False   # no per-ep-rank files in a pipeline checkpoint: the stage's own files hold its state
 
     def full_state(self, ctx: CheckpointContext, reader: CheckpointReader, saved: SavedLayout,
                    model_state: dict[str, Any]) -> FullOptimizerState:
-        raise ValueError(f"pipeline checkpoint {reader.tag_dir} holds optimizer state of ZeRO stage {saved.zero_stage} "
-                         f"over {model_state.get(C.DP_WORLD_SIZE)} data-parallel ranks, this run's is laid out as "
-                         f"{ctx.optimizer.checkpoint_layout()} on {ctx.dp_world_size}: resharding pipeline optimizer "
-                         "state directly is not implemented: convert it with ds_to_universal and load it with "
-                         "checkpoint.load_universal, or pass load_optimizer_states=False to load the weights only")
+        """Every saved stage's state united ([Note: pipeline optimizer resharding]); the wrapper's
+        `load_full_state` takes this stage's parameters from it."""
+        saved_pipeline = saved_pipeline_layout(model_state, saved)
+        loading = PipelineLayout(self.parallel_dims["pp_degree"], ctx.dp_world_size,
+                                 ctx.optimizer.checkpoint_layout().zero_stage, self.parallel_dims["tp_degree"])
+        if ctx.has_moe_layers:
+            raise ValueError(f"pipeline checkpoint {reader.tag_dir} was saved at {saved_pipeline} and is loaded at "
+                             f"{loading}: resharding the optimizer state of MoE layers inside a pipeline is not "
+                             "implemented; load it at its own layout, or pass load_optimizer_states=False")
+        full = pipeline_full_state(reader.tag_dir, saved_pipeline, loading, self.bf16, reader.load)
+        shapes = {name: torch.Size(getattr(param, "ds_shape", param.shape))
+                  for param, name in ctx.param_names.items() if param.requires_grad}
+        check_fits(full, shapes, reader.tag_dir, saved_pipeline, loading)
+        return full
 
 
 def pipeline_checkpoint_site(engine: Any) -> CheckpointSite:

@@ -12,10 +12,10 @@ state reshards the same way ([Note: AutoTP optimizer resharding] in optimizer_re
 
 At ZeRO-3 every rank writes ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt`` (module tensors
 are placeholders, as DeepSpeed's) and its optim file, whose flat partitions hold the weights. Such a
-checkpoint loads at its own tp size (any dp size, through ZeRO-3's own resharding); at another tp
-size, or a stage-0-2 checkpoint at another tp size into a stage-3 run, is refused with the sizes
-(`check_tp_reshard`): a universal folder of it (`ds_to_universal`, then `load_universal`) loads at
-any tp size, optimizer state included, and `zero_to_fp32` gives the full weights.
+checkpoint loads at any tp size too: its module files are left as they are (placeholders and
+buffers) and the weights come with the optimizer state, joined from every tp rank's optim files
+([Note: AutoTP optimizer resharding]); a universal folder of it (`ds_to_universal`, then
+`load_universal`) goes the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from zerospeed.checkpoint.constants import TP_SHARDS_KEY
 from zerospeed.checkpoint.tp_pieces import join_pieces, saved_tp_size
 from zerospeed.runtime.tensor_parallel.state_dict import shard_state_dict, split_params
 
-__all__ = ["TP_SHARDS_KEY", "check_tp_reshard", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
+__all__ = ["TP_SHARDS_KEY", "join_pieces", "merge_tp_module_states", "saved_shard_record", "saved_tp_size",
            "shard_record", "tp_module_state"]
 
 def shard_record(module: torch.nn.Module) -> dict[str, list[int]]:
@@ -55,22 +55,6 @@ def saved_shard_record(tag_dir: str, model_state: dict[str, Any]) -> dict[str, l
         raise ValueError(f"checkpoint {tag_dir} (tp size {saved_tp}) does not say how its parameters were split "
                          f"('{TP_SHARDS_KEY}'); it loads only at tp size {saved_tp}")
     return record or {}
-
-
-def check_tp_reshard(tag_dir: str, saved_tp: int, current_tp: int, weights_partitioned: bool) -> None:
-    """Refuse a tp-size change where ZeRO-3 is on either side ([Note: AutoTP checkpoint layout]);
-    `weights_partitioned`: this run's optimizer holds the weights (ZeRO-3, the contract's
-    `weights_in_optimizer_files`)."""
-    if saved_tp == current_tp:
-        return
-    saved_stage3 = bool(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")))
-    if saved_stage3 or weights_partitioned:
-        side = "saved at ZeRO stage 3" if saved_stage3 else "loaded into a ZeRO stage 3 run"
-        raise ValueError(f"checkpoint {tag_dir} was saved at tensor_parallel.autotp_size {saved_tp} and is "
-                         f"loaded at {current_tp}; changing the tp size of a checkpoint {side} is not supported "
-                         "directly: load it at its own tp size, convert it with ds_to_universal and load it "
-                         "with checkpoint.load_universal, or take the full weights with zero_to_fp32 "
-                         "(get_fp32_state_dict_from_zero_checkpoint) and load those")
 
 
 def tp_module_state(module: torch.nn.Module, tag_dir: str, model_state: dict[str, Any], current_tp: int,

@@ -2,7 +2,8 @@
 
 [Note: AutoTP optimizer resharding]
 Each tp rank's files hold its pieces: ``mp_rank_{tp}_model_states.pt`` and, at ZeRO 1-2,
-``zero_pp_rank_{dp}_mp_rank_{tp}_optim_states.pt``. Loading at tp size T' reads every saved tp
+``zero_pp_rank_{dp}_mp_rank_{tp}_optim_states.pt`` (at ZeRO-3 the model-states files are per dp rank
+too, ``zero_pp_rank_{dp}_mp_rank_{tp}_model_states.pt``). Loading at tp size T' reads every saved tp
 rank's optimizer side into the full layout of its pieces (checkpoint/full_state.py: fp32 masters
 and per-element moments by parameter name, whatever the ZeRO stage and dp size were), joins the
 pieces of each split parameter along its split dimension (the model file's ``autotp_shards``
@@ -10,7 +11,9 @@ record: dim and fused parts, as for the weights), and cuts this rank's piece for
 rule the current model was split by. Masters and moments (Adam's exp_avg, exp_avg_sq) are per
 element, so the cut is exact; scalar state (Adam's step) and hyperparameters are equal on every
 tp rank and come from tp rank 0. The result goes through the ordinary import
-(``import_full_state``), so any ZeRO stage 0-2 and dp size of the loading run works.
+(the wrapper's ``load_full_state``), so any ZeRO stage 0-3 and dp size of the loading run works,
+from a checkpoint of any stage 0-3: at ZeRO-3 the saved masters are the weights (the model files
+hold placeholders), so the loading run's weights come from this full state too.
 
 DeepSpeed 0.19.8 reaches the same end in two steps: ``ds_to_universal.py`` converts the checkpoint
 into per-parameter files and ``"checkpoint": {"load_universal": true}`` loads them at the new
@@ -49,13 +52,13 @@ def tp_resharded_optimizer_state(module: torch.nn.Module, tag_dir: str, model_st
 
 
 def _export_tp_rank(tag_dir: str, mp_rank: int, bf16: bool, load: Callable[[str], dict[str, Any]]) -> FullOptimizerState:
-    path = os.path.join(tag_dir, model_states_name(0, mp_rank=mp_rank))
+    """Tp rank `mp_rank`'s state in the full layout of its pieces, from its optim files and its dp
+    rank 0 model-states file (at ZeRO-3 one per dp rank, alike in what is read here)."""
+    saved = discover(tag_dir, bf16_first=bf16, mp_rank=mp_rank)
+    path = os.path.join(tag_dir, model_states_name(saved.zero_stage, 0, mp_rank))
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {tag_dir}: {os.path.basename(path)} is missing (resharding the optimizer "
-                                "state to another tp size needs every tp rank's files, ZeRO stage 0-2)")
-    saved = discover(tag_dir, bf16_first=bf16, mp_rank=mp_rank)
-    if saved.zero_stage >= 3:
-        raise ValueError(f"checkpoint {tag_dir} is ZeRO-3: AutoTP checkpoints are ZeRO stage 0-2")
+                                "state to another tp size needs every tp rank's files)")
     return export_full_state(saved, load(path))
 
 

@@ -2,8 +2,8 @@
 
 Every run outside a pipeline loads through it, with or without AutoTP: the model-states files are
 one per tp rank and record how each split parameter was cut (`autotp_shards`), so a checkpoint
-saved at one tp size loads at another, the module state cut from the joined weights and the
-optimizer state from the joined full state ([Note: AutoTP checkpoint layout] in checkpoint.py,
+saved at one tp size loads at another, at any ZeRO stage on either side, the module state cut
+from the joined weights and the optimizer state from the joined full state ([Note: AutoTP checkpoint layout] in checkpoint.py,
 [Note: AutoTP optimizer resharding] in optimizer_reshard.py).
 """
 
@@ -20,7 +20,7 @@ from zerospeed.checkpoint.reader import CheckpointReader
 from zerospeed.checkpoint.tp_pieces import full_shape
 from zerospeed.checkpoint.weight_files import WeightFiles
 from zerospeed.checkpoint.zero_checkpoint import SavedLayout, discover
-from zerospeed.runtime.tensor_parallel.checkpoint import check_tp_reshard, saved_tp_size, tp_module_state
+from zerospeed.runtime.tensor_parallel.checkpoint import saved_tp_size, tp_module_state
 from zerospeed.runtime.tensor_parallel.optimizer_reshard import cut_tp_pieces, tp_resharded_optimizer_state
 from zerospeed.runtime.tensor_parallel.state_dict import split_params
 
@@ -35,13 +35,15 @@ class ShardedWeightFiles(WeightFiles):
         self.tp_size = tp_size
 
     def saved_layout(self, ctx: CheckpointContext, reader: CheckpointReader, model_state: dict[str, Any]) -> SavedLayout:
-        """The saved layout for this tp rank; the module state resharded first when the tp size
-        changed."""
+        """The saved layout for this tp rank (tp rank 0's when the tp size changed); the module state
+        resharded first when the tp size changed, except at ZeRO-3, whose module files hold
+        placeholders (the weights then come from the optim files' masters, through `full_state`)."""
         tag_dir, saved_tp = reader.tag_dir, saved_tp_size(model_state)
-        weights_partitioned = any(hasattr(p, "ds_id") for p in ctx.module.parameters())   # ZeRO-3 placeholders
-        check_tp_reshard(tag_dir, saved_tp, self.tp_size, weights_partitioned)
-        model_state[C.MODULE] = tp_module_state(ctx.module, tag_dir, model_state, self.tp_size, reader.load)
-        return discover(tag_dir, bf16_first=self.bf16, mp_rank=ctx.mp_rank if saved_tp == self.tp_size else 0)
+        same_tp = saved_tp == self.tp_size
+        saved = discover(tag_dir, bf16_first=self.bf16, mp_rank=ctx.mp_rank if same_tp else 0)
+        if not same_tp and saved.zero_stage < 3:
+            model_state[C.MODULE] = tp_module_state(ctx.module, tag_dir, model_state, self.tp_size, reader.load)
+        return saved
 
     def layout_changed(self, ctx: CheckpointContext, saved: SavedLayout, model_state: dict[str, Any]) -> bool:
         return saved_tp_size(model_state) != self.tp_size or super().layout_changed(ctx, saved, model_state)
