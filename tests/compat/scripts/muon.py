@@ -18,9 +18,11 @@ MICRO, STEPS = 2, 3
 BLOCK = {"lr": 0.05, "adam_lr": 2e-3, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-10}
 
 
-def _config(stage: int, world_size: int) -> dict:
+def _config(stage: int, world_size: int, offload: dict | None = None) -> dict:
     # DeepSpeed's stage 3 refuses Muon with its default reduce_scatter (zerospeed accepts both).
     zero = {"stage": stage, "reduce_scatter": False} if stage == 3 else {"stage": stage}
+    if offload is not None:
+        zero["offload_optimizer"] = offload
     return {"train_batch_size": MICRO * world_size, "train_micro_batch_size_per_gpu": MICRO,
             "optimizer": {"type": "Muon", "params": BLOCK}, "zero_optimization": zero}
 
@@ -33,8 +35,8 @@ def _batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.T
     return tokens[rows], labels[rows]
 
 
-def _run(ds, ctx, stage: int, zero_init: bool) -> dict:
-    config = _config(stage, ctx.world_size)
+def _run(ds, ctx, stage: int, zero_init: bool, offload: dict | None = None) -> dict:
+    config = _config(stage, ctx.world_size, offload)
     torch.manual_seed(0)
     if zero_init:
         with ds.zero.Init(config_dict_or_path=config):
@@ -58,7 +60,16 @@ def _run(ds, ctx, stage: int, zero_init: bool) -> dict:
     return {"flags": flags, "groups": groups, "losses": losses, "norms": norms, "params": final}
 
 
-def main(ds, ctx, fp32_ns: bool = True) -> dict:
+def _offloaded(ds, ctx, stage: int, device: str) -> dict:
+    """One offloaded run, or the name and first line of the error it raised."""
+    offload = {"device": device, "nvme_path": ctx.path("nvme")} if device == "nvme" else {"device": device}
+    try:
+        return _run(ds, ctx, stage, zero_init=False, offload=offload)
+    except Exception as error:  # noqa: BLE001 - the refusal is the result
+        return {"error": type(error).__name__, "message": str(error).splitlines()[0][:300]}
+
+
+def main(ds, ctx, fp32_ns: bool = True, offload: bool = False) -> dict:
     if fp32_ns and ctx.impl == "deepspeed":
         import deepspeed.runtime.zero.muon.original_muon as original_muon
         from torch._dynamo import config as dynamo_config
@@ -68,6 +79,12 @@ def main(ds, ctx, fp32_ns: bool = True) -> dict:
     torch.manual_seed(0)
     initial = {name: ctx.values(p) for name, p in TinyLM().named_parameters()}
     results: dict = {"initial": initial}
+    if offload:   # offload_optimizer: cpu at ZeRO 1-3 and nvme at 3, beside stage 0 as the reference
+        results["stage0"] = _run(ds, ctx, 0, zero_init=False)
+        for stage in (1, 2, 3):
+            results[f"stage{stage}_cpu"] = _offloaded(ds, ctx, stage, "cpu")
+        results["stage3_nvme"] = _offloaded(ds, ctx, 3, "nvme")
+        return results
     for stage in (0, 1, 2, 3):
         results[f"stage{stage}"] = _run(ds, ctx, stage, zero_init=False)
     results["stage3_zero_init"] = _run(ds, ctx, 3, zero_init=True)

@@ -150,7 +150,7 @@ def test_incoming_groups_keep_their_own_settings() -> None:
 
 @pytest.mark.parametrize("block,match", [
     ({"nesterov_momentum": True}, "nesterov_momentum"),
-    ({"per_head_muon": True}, "per_head_muon"),
+    ({"per_head_muon": "yes"}, "per_head_muon"),
     ({"ns_method": "svd"}, "ns_method"),
 ])
 def test_bad_blocks_are_refused_by_name(block: dict, match: str) -> None:

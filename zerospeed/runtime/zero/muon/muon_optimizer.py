@@ -111,7 +111,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                                "owner layout: a flat partition whose ZeRO wrapper did not register its "
                                "matrices, or a 1-D parameter marked use_muon. Refusing to step it as SGD.")
         self.num_local_orthogonalized += 1
-        return orthogonalize(update, tuple(param.shape), steps, method)
+        return orthogonalize(update, tuple(param.shape), steps, method, getattr(param, "muon_head_dim", None))
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
