@@ -78,9 +78,10 @@ def _llama():
                                         tie_word_embeddings=False))
 
 
-def _per_head(ds, ctx) -> dict:
-    """`per_head_muon: true` at stage 0 on a tiny HF Llama (GQA): the head tags and the numbers."""
-    config = {**_config(0, ctx.world_size), "optimizer": {"type": "Muon", "params": {**BLOCK, "per_head_muon": True}}}
+def _llama_run(ds, ctx, per_head: bool) -> dict:
+    """Stage 0 on a tiny HF Llama (GQA), with or without `per_head_muon`: the head tags and the numbers."""
+    config = {**_config(0, ctx.world_size),
+              "optimizer": {"type": "Muon", "params": {**BLOCK, "per_head_muon": per_head}}}
     model = _llama()
     engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     heads = {name: [getattr(p, "muon_num_heads", None), getattr(p, "muon_head_dim", None)]
@@ -95,6 +96,22 @@ def _per_head(ds, ctx) -> dict:
     return {"heads": heads, "losses": losses, "params": {n: ctx.values(p) for n, p in model.named_parameters()}}
 
 
+def _one_per_head_update(ctx) -> list[float]:
+    """The Muon update of one [4 heads * 8, 16] matrix, head by head, from a fixed gradient and
+    momentum: DeepSpeed's `muon_update(num_heads=4)`, zerospeed's `orthogonalize(head_dim=8)` on
+    the same Nesterov blend (neither library exposes the other's function)."""
+    generator = torch.Generator().manual_seed(5)
+    grad, momentum = torch.randn(32, 16, generator=generator), torch.randn(32, 16, generator=generator)
+    if ctx.impl == "deepspeed":
+        from deepspeed.runtime.zero.muon.original_muon import muon_update
+
+        return ctx.values(muon_update(grad, momentum, beta=0.9, ns_method="gram", num_heads=4))
+    from zerospeed.runtime.zero.muon.newton_schulz import orthogonalize
+
+    momentum.lerp_(grad, 1 - 0.9)
+    return ctx.values(orthogonalize(grad.lerp(momentum, 0.9), (32, 16), 5, "gram", head_dim=8))
+
+
 def main(ds, ctx, fp32_ns: bool = True, offload: bool = False, per_head: bool = False) -> dict:
     if fp32_ns and ctx.impl == "deepspeed":
         import deepspeed.runtime.zero.muon.original_muon as original_muon
@@ -106,7 +123,8 @@ def main(ds, ctx, fp32_ns: bool = True, offload: bool = False, per_head: bool = 
     initial = {name: ctx.values(p) for name, p in TinyLM().named_parameters()}
     results: dict = {"initial": initial}
     if per_head:
-        return {"per_head": _per_head(ds, ctx)}
+        return {"per_head": _llama_run(ds, ctx, True), "whole": _llama_run(ds, ctx, False),
+                "one_update": _one_per_head_update(ctx)}
     if offload:   # offload_optimizer: cpu at ZeRO 1-3 and nvme at 3, beside stage 0 as the reference
         results["stage0"] = _run(ds, ctx, 0, zero_init=False)
         for stage in (1, 2, 3):
