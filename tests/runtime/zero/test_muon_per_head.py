@@ -101,7 +101,7 @@ def _lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor
     return model(input_ids=batch[0], labels=batch[0]).loss
 
 
-def _train(stage: int, tp: int) -> dict:
+def _train(stage: int, tp: int, zero_init: bool = False) -> dict:
     import zerospeed
     from zerospeed.comm import groups
     from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
@@ -117,7 +117,16 @@ def _train(stage: int, tp: int) -> dict:
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
            "tensor_parallel": {"autotp_size": tp}}
     try:
-        engine, *_ = zerospeed.initialize(model=copy.deepcopy(model), config=cfg)
+        if zero_init:   # the layer shapes are ds_shape: heads resolved from them
+            with zerospeed.zero.Init(config_dict_or_path=cfg):
+                partitioned = _llama()
+            values = dict(model.named_parameters())
+            params = dict(partitioned.named_parameters())
+            with zerospeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+                for name, param in params.items():   # HF's init under zero.Init draws other values
+                    param.copy_(values[name])
+            model = partitioned
+        engine, *_ = zerospeed.initialize(model=model if zero_init else copy.deepcopy(model), config=cfg)
         for ids in data:
             mine = ids[engine.get_data_parallel_rank() * MICRO:][:MICRO]
             engine.backward(engine(input_ids=mine, labels=mine).loss)
@@ -132,9 +141,10 @@ def _train(stage: int, tp: int) -> dict:
         groups.reset()
 
 
-@pytest.mark.parametrize("stage,tp", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 2), (3, 2)])
-def test_per_head_muon_equals_single_process_per_head_reference(stage: int, tp: int) -> None:
-    for result in run_on_ranks(_train, WORLD, stage, tp):
+@pytest.mark.parametrize("stage,tp,zero_init", [(0, 1, False), (1, 1, False), (2, 1, False), (3, 1, False),
+                                                (3, 1, True), (1, 2, False), (3, 2, False)])
+def test_per_head_muon_equals_single_process_per_head_reference(stage: int, tp: int, zero_init: bool) -> None:
+    for result in run_on_ranks(_train, WORLD, stage, tp, zero_init):
         worst = max(result["param"].items(), key=lambda item: item[1])
         assert worst[1] < TOL, worst
         # DeepSpeed's count after AutoTP: the shard's heads (4 / tp), the width unchanged
