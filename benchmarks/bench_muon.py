@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_muon.py                 # stages 1 2 3, both libraries
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_muon.py --stages 2 --impls zerospeed --layers 4
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_muon.py --offload   # + offload_optimizer: cpu rows
 
 2 CPU ranks x 1 thread (gloo). The model: an embedding, `--layers` blocks of two `--hidden` x
 4*`--hidden` matrices and a square one (all Muon's), biases and norms (AdamW's), a head. Each run
@@ -15,6 +16,9 @@ DeepSpeed needs `reduce_scatter: false` at stage 3 for Muon (it refuses the defa
 runs use the same ZeRO settings. DeepSpeed runs Newton-Schulz in fp16 / bf16 on a CPU with them
 and wraps `muon_update` in torch.compile; `--ds-eager` turns dynamo off for it (compiling on a
 loaded machine takes minutes). zerospeed runs Newton-Schulz in fp32.
+
+`--offload` adds the same runs with `offload_optimizer: {"device": "cpu"}` (rows marked `+off`):
+AdamW is then the library's CPU Adam (no `torch_adam`), Muon keeps its state in host memory.
 """
 
 from __future__ import annotations
@@ -62,17 +66,22 @@ class Model(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def _config(optimizer: str, stage: int) -> dict[str, Any]:
+def _config(optimizer: str, stage: int, offload: bool) -> dict[str, Any]:
+    # Offloaded AdamW is the CPU Adam op in both libraries (what offload users run).
+    adamw = {"lr": 1e-3, "weight_decay": 0.01} if offload else {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}
     block = ({"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3, "weight_decay": 0.01}} if optimizer == "muon"
-             else {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}})
+             else {"type": "AdamW", "params": adamw})
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero["reduce_scatter"] = False
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": block, "zero_optimization": zero}
 
 
-def _rank(rank: int, impl: str, optimizer: str, stage: int, args: Any, init_file: str, results: Any) -> None:
+def _rank(rank: int, impl: str, optimizer: str, stage: int, offload: bool, args: Any, init_file: str,
+          results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       DS_ACCELERATOR="cpu", ZS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -85,7 +94,7 @@ def _rank(rank: int, impl: str, optimizer: str, stage: int, args: Any, init_file
     torch.manual_seed(0)
     model = Model(args.hidden, args.layers)
     engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(),
-                                         config=_config(optimizer, stage))
+                                         config=_config(optimizer, stage, offload))
     generator = torch.Generator().manual_seed(rank)
     whole, step_only = [], []
     for _ in range(args.warmup + args.steps):
@@ -113,12 +122,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ds-eager", action="store_true", help="DeepSpeed without torch.compile")
+    parser.add_argument("--offload", action="store_true", help="also offload_optimizer: cpu")
     args = parser.parse_args()
-    runs = [(impl, opt, stage) for stage in args.stages for impl in args.impls for opt in ("muon", "adamw")]
-    times: dict[tuple[str, str, int], list[tuple[float, float]]] = {run: [] for run in runs}
+    offloads = (False, True) if args.offload else (False,)
+    runs = [(impl, opt, stage, off) for stage in args.stages for off in offloads for impl in args.impls
+            for opt in ("muon", "adamw")]
+    times: dict[tuple[str, str, int, bool], list[tuple[float, float]]] = {run: [] for run in runs}
     for _ in range(args.rounds):
         for run in runs:
-            label = "-".join(map(str, run))
+            label = "-".join(map(str, run[:3])) + ("-offload" if run[3] else "")
             times[run] += spawn_ranks(_rank, 2, *run, args, label=label)
             whole, step = times[run][-1]
             print(f"{label}: step {whole * 1e3:.1f} ms, optimizer {step * 1e3:.1f} ms", file=sys.stderr, flush=True)
@@ -126,13 +138,20 @@ def main() -> None:
     print(f"best of {args.rounds} rounds of the slowest rank's median; hidden {args.hidden}, {args.layers} layers, "
           "2 ranks x 1 thread; whole step (fwd+bwd+step) and optimizer step")
     for stage in args.stages:
-        for impl in args.impls:
-            (muon, muon_opt), (adamw, adamw_opt) = best[(impl, "muon", stage)], best[(impl, "adamw", stage)]
-            print(f"  z{stage} {impl:9s}: Muon {muon * 1e3:7.1f} ms (opt {muon_opt * 1e3:6.1f})  AdamW "
-                  f"{adamw * 1e3:7.1f} ms (opt {adamw_opt * 1e3:6.1f})  Muon/AdamW whole step {muon / adamw:5.2f}")
-        if {"zerospeed", "deepspeed"} <= set(args.impls):
-            ratio = best[("zerospeed", "muon", stage)][0] / best[("deepspeed", "muon", stage)][0]
-            print(f"  z{stage} zerospeed Muon / DeepSpeed Muon, whole step: {ratio:5.2f}")
+        for off in offloads:
+            _report(best, stage, off, args.impls)
+
+
+def _report(best: dict, stage: int, off: bool, impls: list[str]) -> None:
+    tag = f"z{stage}{'+off' if off else ''}"
+    for impl in impls:
+        (muon, muon_opt), (adamw, adamw_opt) = best[(impl, "muon", stage, off)], best[(impl, "adamw", stage, off)]
+        print(f"  {tag:6s} {impl:9s}: Muon {muon * 1e3:7.1f} ms (opt {muon_opt * 1e3:6.1f})  AdamW "
+              f"{adamw * 1e3:7.1f} ms (opt {adamw_opt * 1e3:6.1f})  Muon/AdamW whole step {muon / adamw:5.2f}")
+    if {"zerospeed", "deepspeed"} <= set(impls):
+        ratio = best[("zerospeed", "muon", stage, off)][0] / best[("deepspeed", "muon", stage, off)][0]
+        print(f"  {tag:6s} zerospeed Muon / DeepSpeed Muon, whole step: {ratio:5.2f}")
+
 
 if __name__ == "__main__":
     main()

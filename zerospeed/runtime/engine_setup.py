@@ -40,17 +40,20 @@ def configure_basic_optimizer(config: Any, module: torch.nn.Module, client_optim
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(client_optimizer)}")
     offload = _offloads_optimizer(config)
     if str(config.optimizer_name).lower() == "muon":
-        _prepare_muon(module)
+        _prepare_muon(module, bool((config.optimizer_params or {}).get("per_head_muon", False)))
     return build_basic_optimizer(config.optimizer_name, config.optimizer_params, params, offload=offload)
 
 
-def _prepare_muon(module: torch.nn.Module) -> None:
-    """`use_muon` on every parameter (DeepSpeed's rule). A matrix split over tensor-parallel ranks
+def _prepare_muon(module: torch.nn.Module, per_head: bool = False) -> None:
+    """`use_muon` on every parameter (DeepSpeed's rule), and with `per_head_muon` the attention
+    projections' heads ([Note: per-head Muon] in zero/muon/per_head.py). A matrix split over tensor-parallel ranks
     by AutoTP is joined for Newton-Schulz ([Note: Muon with AutoTP] in zero/muon/tp_matrices.py);
     one split by another library (no AutoTP shard record) is refused: its layout is unknown."""
     from zerospeed.runtime.zero.muon.param_groups import tag_muon_params
+    from zerospeed.runtime.zero.muon.per_head import tag_per_head
 
     tag_muon_params(module)
+    tag_per_head(module, per_head)
     split = [name for name, p in module.named_parameters() if getattr(p, "use_muon", False)
              and getattr(p, "tensor_model_parallel", False) and getattr(p, "ds_tp_shard", None) is None]
     if split:

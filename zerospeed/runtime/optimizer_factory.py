@@ -105,13 +105,12 @@ def _build_mup(lowered: str, groups: list[Any], params: dict[str, Any]) -> torch
 
 
 def _build_muon(groups: list[Any], params: dict[str, Any], offload: bool) -> torch.optim.Optimizer:
-    """DeepSpeed's Muon type (any case): `MuonWithAuxAdam`, never torch's 2-D-only `torch.optim.Muon`."""
-    from zerospeed.runtime.zero.muon.attach import check_muon_supported
+    """DeepSpeed's Muon type (any case): `MuonWithAuxAdam`, never torch's 2-D-only `torch.optim.Muon`.
+    Offloaded or not, the same class: its state lives where the offload holder puts its tensors
+    (`check_muon_supported` runs where the holder is built, for client optimizers too)."""
     from zerospeed.runtime.zero.muon.param_groups import build_muon_optimizer
 
-    optimizer = build_muon_optimizer(params, groups)
-    check_muon_supported(optimizer, offload)
-    return optimizer
+    return build_muon_optimizer(params, groups)
 
 
 def _from_ops_or_torch(module: str, class_name: str, offload: bool, groups: list[Any], params: dict[str, Any],

@@ -71,11 +71,23 @@ def _newton_schulz64(update: torch.Tensor, steps: int) -> torch.Tensor:
     return (x.T if tall else x).float()
 
 
+def _orthogonal_update(blended: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+    """The whole matrix, or (per-head Muon) each block of `head_dim` rows on its own, one by one."""
+    blocks = [blended] if head_dim is None else list(blended.split(head_dim, dim=0))
+    out = []
+    for block in blocks:
+        rows, cols = block.shape
+        out.append(_newton_schulz64(block, 5) * math.sqrt(max(1.0, rows / cols)))
+    return torch.cat(out, dim=0)
+
+
 def reference_run(model: torch.nn.Module, data: list, muon: dict[str, float], adam: dict[str, Any],
                   clip: float = 0.0, muon_names: tuple[str, ...] = MUON_NAMES,
-                  loss_of: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  loss_of: Any = None, head_dims: dict[str, int] | None = None) -> tuple[list[float], dict]:
     """Single-process Muon (full matrices) + torch AdamW on the whole global batch per step;
-    `loss_of(model, batch)` (default `model(*batch)`)."""
+    `loss_of(model, batch)` (default `model(*batch)`); `head_dims[name]`: that matrix is
+    orthogonalized in blocks of so many rows (per-head Muon)."""
+    head_dims = head_dims or {}
     model = copy.deepcopy(model)
     named = dict(model.named_parameters())
     adam_params = [p for n, p in named.items() if n not in muon_names]
@@ -94,8 +106,7 @@ def reference_run(model: torch.nn.Module, data: list, muon: dict[str, float], ad
                 p, beta = named[name], muon["momentum"]
                 buffers[name] = beta * buffers[name] + (1 - beta) * p.grad
                 blended = (1 - beta) * p.grad + beta * buffers[name]
-                rows, cols = p.shape
-                ortho = _newton_schulz64(blended, 5) * math.sqrt(max(1.0, rows / cols))
+                ortho = _orthogonal_update(blended, head_dims.get(name))
                 p.mul_(1 - muon["lr"] * muon["weight_decay"]).sub_(muon["lr"] * ortho)
         adamw.step()
         model.zero_grad()

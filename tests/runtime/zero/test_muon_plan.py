@@ -150,7 +150,7 @@ def test_incoming_groups_keep_their_own_settings() -> None:
 
 @pytest.mark.parametrize("block,match", [
     ({"nesterov_momentum": True}, "nesterov_momentum"),
-    ({"per_head_muon": True}, "per_head_muon"),
+    ({"per_head_muon": "yes"}, "per_head_muon"),
     ({"ns_method": "svd"}, "ns_method"),
 ])
 def test_bad_blocks_are_refused_by_name(block: dict, match: str) -> None:
@@ -160,11 +160,16 @@ def test_bad_blocks_are_refused_by_name(block: dict, match: str) -> None:
         build_basic_optimizer("muon", block, net.parameters())
 
 
-def test_offload_and_mislabelled_vectors_are_refused() -> None:
+def test_nvme_offload_and_mislabelled_vectors_are_refused() -> None:
+    from zerospeed.runtime.zero.muon.attach import check_muon_supported
+
     net = _Net()
     tag_muon_params(net)
-    with pytest.raises(ValueError, match="offload_optimizer"):
-        build_basic_optimizer("Muon", {}, net.parameters(), offload=True)
+    optimizer = build_basic_optimizer("Muon", {}, net.parameters(), offload=True)
+    assert isinstance(optimizer, MuonWithAuxAdam)   # the same class offloaded (cpu) or not
+    check_muon_supported(optimizer, "cpu")
+    with pytest.raises(ValueError, match="offload_optimizer.device 'nvme'"):
+        check_muon_supported(optimizer, "nvme")
     net.norm.bias.use_muon = True
     with pytest.raises(ValueError, match="norm.bias"):
         tag_muon_params(net)

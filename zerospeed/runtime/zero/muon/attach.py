@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, ReplicatedOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
@@ -20,13 +21,17 @@ from zerospeed.runtime.zero.muon.tp_matrices import matrix_step_for
 __all__ = ["attach_stage0", "attach_zero12", "attach_zero3", "check_muon_supported"]
 
 
-def check_muon_supported(optimizer: torch.optim.Optimizer, offload: bool) -> None:
-    """What the Muon step cannot do yet is refused here, by name, rather than stepped otherwise."""
-    if isinstance(optimizer, MuonWithAuxAdam) and offload:
-        raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer is not implemented by "
-                         "zerospeed (the offloaded step updates each partition in swap units, one at a time, and "
-                         "Muon's owner exchange needs the whole partition's update at once): remove "
-                         "offload_optimizer (or its device) to train with Muon")
+def check_muon_supported(optimizer: torch.optim.Optimizer, offload_device: str | None) -> None:
+    """What the Muon step cannot do yet is refused here, by name, rather than stepped otherwise.
+
+    `offload_device`: `zero_optimization.offload_optimizer.device` when the block is on, else None.
+    With "cpu" each Muon partition is one swap unit in host memory ([Note: whole-partition units]
+    in offload/offload_states.py); NVMe's staging buffers hold `sub_group_size` elements, not a
+    whole partition, and only the CPU ops' fixed state layout can be swapped."""
+    if isinstance(optimizer, MuonWithAuxAdam) and offload_device == "nvme":
+        raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer.device 'nvme' is not "
+                         "implemented by zerospeed (Muon's owner exchange steps each partition whole, which NVMe's "
+                         "sub_group_size staging buffers cannot hold): use offload_optimizer.device 'cpu', or none")
 
 
 def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any) -> None:
@@ -52,18 +57,20 @@ def attach_zero12(optimizer: torch.optim.Optimizer, groups: Sequence[Any]) -> No
         specs = flat_partition_specs(shapes, list(group.layout.param_offsets), group.layout.partition_numel,
                                      group.world_size)
         matrices = matrix_step_for(group.params, shapes)
-        optimizer.set_orthogonalizer(group.master, OwnerOrthogonalizer(specs, group.process_group, matrices))
+        orthogonalizer = OwnerOrthogonalizer(specs, group.process_group, matrices, _compute_device())
+        optimizer.set_orthogonalizer(_stepped(opt_group, 1)[0], orthogonalizer)
 
 
 def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range], sub_group_params: Sequence[Any],
-                 masters: Sequence[torch.Tensor], offset_of: Any, dp_group: Any, world_size: int) -> None:
+                 offset_of: Any, dp_group: Any, world_size: int) -> None:
     """ZeRO 3: one flat buffer per sub-group, every parameter cut into W chunks at the same offset."""
     if not isinstance(optimizer, MuonWithAuxAdam):
         return
     for opt_group, sub_groups in zip(optimizer.param_groups, group_ranges):
         if not opt_group["use_muon"]:
             continue
-        for k in sub_groups:
+        masters = _stepped(opt_group, len(sub_groups))
+        for master, k in zip(masters, sub_groups):
             params = sub_group_params[k]
             shapes = [tuple(p.ds_shape) for p in params]
             # [Note: MoE at stage 3] experts are partitioned over their expert-data-parallel group.
@@ -71,7 +78,23 @@ def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range]
             size = world_size if group is dp_group else comm.get_world_size(group)
             specs = per_param_partition_specs(shapes, [offset_of(p) for p in params], size)
             matrices = matrix_step_for(params, shapes)
-            optimizer.set_orthogonalizer(masters[k], OwnerOrthogonalizer(specs, group, matrices))
+            optimizer.set_orthogonalizer(master, OwnerOrthogonalizer(specs, group, matrices, _compute_device()))
+
+
+def _stepped(opt_group: dict[str, Any], num_partitions: int) -> list[torch.Tensor]:
+    """The tensors the optimizer steps for a Muon group's partitions, one each: the fp32 masters,
+    or with `offload_optimizer` their host units ([Note: whole-partition units])."""
+    params = list(opt_group["params"])
+    if len(params) != num_partitions:
+        raise RuntimeError(f"Muon param group {opt_group.get('name')!r} holds {len(params)} tensors for "
+                           f"{num_partitions} partitions: each partition must be stepped whole")
+    return params
+
+
+def _compute_device() -> torch.device:
+    """Where the owner exchange and Newton-Schulz run: the accelerator, also for host (offloaded)
+    partitions, whose updates travel there and back (the collectives' device)."""
+    return torch.device(get_accelerator().current_device_name())
 
 
 def _expert_dp_group(params: Sequence[Any]) -> Any:

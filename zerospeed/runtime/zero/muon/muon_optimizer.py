@@ -53,6 +53,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Route `tensor`'s (a flat partition's) Newton-Schulz step through `orthogonalizer`."""
         self._orthogonalizers[id(tensor)] = orthogonalizer
 
+    def needs_whole_partitions(self, group: dict[str, Any]) -> bool:
+        """Whether ZeRO-Offload must step `group`'s partitions whole ([Note: whole-partition units]
+        in offload/offload_states.py): a Muon group's orthogonalizer exchanges a whole partition."""
+        return bool(group.get("use_muon", False))
+
     @property
     def newton_schulz_calls(self) -> int:
         """Matrices this rank has orthogonalized so far (evidence Muon ran, not SGD)."""
@@ -106,7 +111,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                                "owner layout: a flat partition whose ZeRO wrapper did not register its "
                                "matrices, or a 1-D parameter marked use_muon. Refusing to step it as SGD.")
         self.num_local_orthogonalized += 1
-        return orthogonalize(update, tuple(param.shape), steps, method)
+        return orthogonalize(update, tuple(param.shape), steps, method, getattr(param, "muon_head_dim", None))
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]

@@ -93,12 +93,24 @@ def zeropower(update: torch.Tensor, steps: int, method: str = "gram") -> torch.T
 
 
 def orthogonalize(update: torch.Tensor, shape: tuple[int, ...], steps: int = 5,
-                  method: str = "gram") -> torch.Tensor:
+                  method: str = "gram", head_dim: int | None = None) -> torch.Tensor:
     """O for one parameter ([Note: Muon's update]): `update` holds its elements (any view of
-    `numel(shape)` elements); the result is float32, flat, in the same element order."""
+    `numel(shape)` elements); the result is float32, flat, in the same element order. With
+    `head_dim` a 2-D matrix is orthogonalized in blocks of `head_dim` rows, one per attention
+    head, each scaled by its own shape ([Note: per-head Muon] in per_head.py)."""
+    if head_dim is not None:
+        shape = _head_blocks(shape, head_dim)
     view = matrix_view_shape(shape)
     rows, cols = view[-2], view[-1]
     result = zeropower(update.reshape(view), steps, method)
     if rows > cols:
         result = result * math.sqrt(rows / cols)
     return result.reshape(-1)
+
+
+def _head_blocks(shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
+    """A `[heads * head_dim, in]` matrix as a batch of `heads` blocks `[head_dim, in]`."""
+    if len(shape) != 2 or head_dim < 1 or shape[0] % head_dim:
+        raise ValueError(f"per-head Muon splits a 2-D attention projection into blocks of {head_dim} rows; "
+                         f"a matrix of shape {tuple(shape)} does not split")
+    return (shape[0] // head_dim, head_dim, shape[1])

@@ -28,8 +28,10 @@ class OwnerOrthogonalizer:
     """`matrices` runs Newton-Schulz on the owned matrices (default: whole here; with AutoTP the
     tensor-parallel join of [Note: Muon with AutoTP])."""
 
-    def __init__(self, specs: list[MatrixSpec], group: Any, matrices: MatrixStep | None = None) -> None:
+    def __init__(self, specs: list[MatrixSpec], group: Any, matrices: MatrixStep | None = None,
+                 device: torch.device | None = None) -> None:
         self.specs = specs
+        self.device = device   # where the exchange runs (None: the update's own device)
         self.group = group
         self.world_size = comm.get_world_size(group)
         self.owners = assign_owners([spec.shape for spec in specs], self.world_size)
@@ -42,6 +44,12 @@ class OwnerOrthogonalizer:
         return self.matrices.num_orthogonalized
 
     def __call__(self, update: torch.Tensor, steps: int, method: str) -> torch.Tensor:
+        if self.device is not None and update.device != self.device:
+            # an offloaded (host) partition: the collectives and Newton-Schulz run on the device
+            return self._exchange(update.to(self.device), steps, method).to(update.device)
+        return self._exchange(update, steps, method)
+
+    def _exchange(self, update: torch.Tensor, steps: int, method: str) -> torch.Tensor:
         plan = self.plan
         outgoing = _pack(plan.send, update, lambda index, piece: piece.buffer_offset)
         incoming = self._all_to_all(outgoing, plan.receive_numels(), plan.send_numels())

@@ -13,6 +13,7 @@ DeepSpeed's rules (`deepspeed.set_optimizer_flags`, `DeepSpeedEngine._muon_param
   the Adam half. An MoE expert group (`moe: True`) keeps its name on both halves: it names the
   expert group whose expert-data-parallel ranks own its matrices.
 
+`per_head_muon` is read where the parameters are tagged (per_head.py, [Note: per-head Muon]).
 Keys of the block outside these are refused by name: DeepSpeed drops them silently.
 """
 
@@ -60,9 +61,8 @@ def _check_block(params: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(f"optimizer.params {unknown} not accepted for the Muon optimizer (DeepSpeed would ignore "
                          f"them silently); accepted: {list(MUON_BLOCK_KEYS)}")
-    if params.get("per_head_muon"):
-        raise ValueError("optimizer.params.per_head_muon=true is not implemented by zerospeed: remove it to "
-                         "orthogonalize each attention projection as one matrix")
+    if not isinstance(params.get("per_head_muon", False), bool):
+        raise ValueError(f"optimizer.params.per_head_muon must be true or false, got {params['per_head_muon']!r}")
 
 
 def _half_defaults(params: dict[str, Any], keys: tuple[str, ...], lr_key: str) -> dict[str, Any]:

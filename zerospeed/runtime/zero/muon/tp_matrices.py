@@ -14,7 +14,8 @@ it per shard); this is the single-process step.
 
 Matrices AutoTP left whole (replicated on the tp ranks, with equal gradients: [Note:
 tensor-parallel autograd]) are orthogonalized by each tp rank, giving the same result on all.
-Without AutoTP `LocalMatrices` orthogonalizes every matrix in place. Every tp rank calls the
+Without AutoTP `LocalMatrices` orthogonalizes every matrix in place. A matrix tagged for per-head
+Muon is orthogonalized head by head after the join ([Note: per-head Muon] in per_head.py). Every tp rank calls the
 exchange with the same matrix indices (the same plan), so the collectives match.
 """
 
@@ -44,15 +45,18 @@ class MatrixStep(Protocol):
 
 
 class LocalMatrices:
-    """Every matrix is whole here: Newton-Schulz on each."""
+    """Every matrix is whole here: Newton-Schulz on each (`head_dims[i]`: matrix i head by head,
+    [Note: per-head Muon] in per_head.py)."""
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]]) -> None:
+    def __init__(self, shapes: Sequence[tuple[int, ...]], head_dims: Sequence[int | None] | None = None) -> None:
         self.shapes = list(shapes)
+        self.head_dims = list(head_dims) if head_dims is not None else [None] * len(self.shapes)
         self.num_orthogonalized = 0
 
     def __call__(self, updates: dict[int, torch.Tensor], steps: int, method: str) -> dict[int, torch.Tensor]:
         self.num_orthogonalized += len(updates)
-        return {index: orthogonalize(update, self.shapes[index], steps, method) for index, update in updates.items()}
+        return {index: orthogonalize(update, self.shapes[index], steps, method, self.head_dims[index])
+                for index, update in updates.items()}
 
 
 def full_shape(shard_shape: tuple[int, ...], shard: TPShard) -> tuple[int, ...]:
@@ -72,15 +76,17 @@ class TensorParallelMatrices:
     """[Note: Muon with AutoTP]: `shards[i]` is matrix i's TPShard (None: whole on every tp rank),
     `shapes[i]` this rank's (shard) shape."""
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]], shards: Sequence[TPShard | None], tp_group: Any) -> None:
+    def __init__(self, shapes: Sequence[tuple[int, ...]], shards: Sequence[TPShard | None], tp_group: Any,
+                 head_dims: Sequence[int | None] | None = None) -> None:
         self.shapes, self.shards, self.group = list(shapes), list(shards), tp_group
+        self.head_dims = list(head_dims) if head_dims is not None else [None] * len(self.shapes)
         self.tp_size, self.tp_rank = comm.get_world_size(tp_group), comm.get_rank(tp_group)
         for index, shard in enumerate(self.shards):
             if shard is not None and (shard.tp_size, shard.tp_rank) != (self.tp_size, self.tp_rank):
                 raise ValueError(f"Muon matrix {index} is split over {shard.tp_size} tensor-parallel ranks (this one "
                                  f"{shard.tp_rank}) but the tensor-parallel group has {self.tp_size} (this rank "
                                  f"{self.tp_rank})")
-        self.local = LocalMatrices(self.shapes)
+        self.local = LocalMatrices(self.shapes, self.head_dims)
         self.num_joined = 0   # whole split matrices this rank orthogonalized
 
     @property
@@ -112,7 +118,7 @@ class TensorParallelMatrices:
         for k, index in enumerate(mine):
             shard = self._shard(index)
             joined = join_shards([pieces[k].view(self.shapes[index]) for pieces in shards_of], shard)
-            ortho = orthogonalize(joined, tuple(joined.shape), steps, method).view(joined.shape)
+            ortho = orthogonalize(joined, tuple(joined.shape), steps, method, self.head_dims[index]).view(joined.shape)
             returning.append([shard_of(ortho, TPShard(shard.dim, shard.fused_parts, self.tp_size, r)).reshape(-1)
                               for r in range(self.tp_size)])
         self.num_joined += len(mine)
@@ -150,8 +156,9 @@ def matrix_step_for(params: Sequence[torch.Tensor], shapes: Sequence[tuple[int, 
     """The matrix step for `params` (whose layer shapes are `shapes`): tensor-parallel when AutoTP
     split any of them ([Note: Muon with AutoTP]), else local."""
     shards = [getattr(p, "ds_tp_shard", None) for p in params]
+    head_dims = [getattr(p, "muon_head_dim", None) for p in params]   # [Note: per-head Muon]
     if all(shard is None for shard in shards):
-        return LocalMatrices(shapes)
+        return LocalMatrices(shapes, head_dims)
     from zerospeed.comm import groups
 
-    return TensorParallelMatrices(shapes, shards, groups.get_group(groups.MODEL_PARALLEL).group)
+    return TensorParallelMatrices(shapes, shards, groups.get_group(groups.MODEL_PARALLEL).group, head_dims)

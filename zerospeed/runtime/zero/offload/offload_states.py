@@ -12,6 +12,11 @@ the unscale/clip multiplier (`step`). Everything between is here:
   master is one param of the base optimizer, so Adam's state exists per unit. Adam is
   elementwise, so stepping units one at a time gives the same bits as stepping the whole
   partition. Units bound what NVMe offload keeps in RAM.
+  [Note: whole-partition units] An optimizer that is not elementwise on some param groups says
+  so with `needs_whole_partitions(group)` (`MuonWithAuxAdam`: its Muon groups, whose
+  Newton-Schulz step exchanges a whole partition's matrices with their owner ranks,
+  zero/muon/owner_plan.py); such a group's partitions are one unit each, whatever their size.
+  Only host memory holds them: NVMe's staging buffers are sized for `unit_numel`.
 - the step, per unit: gradient slice to host fp32 (a view when it is already there), multiply,
   base optimizer on that unit alone, then the updated master back into the partition: the fused
   copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
@@ -138,7 +143,11 @@ class OffloadStates:
         index = len(self.partitions)
         self.partitions.append(partition)
         uids = []
-        for offset, numel in plan_units(partition.numel(), self.unit_numel):
+        # [Note: whole-partition units] an optimizer whose step on this group is not elementwise
+        # (Muon's matrices) steps the partition as one unit; the cut would change its numbers.
+        whole = bool(getattr(self.optimizer, "needs_whole_partitions", lambda _: False)(group))
+        unit_numel = max(1, partition.numel()) if whole else self.unit_numel
+        for offset, numel in plan_units(partition.numel(), unit_numel):
             initial = partition.detach().narrow(0, offset, numel).to("cpu", _FP32)
             unit = _Unit(len(self.units), index, offset, numel, self._host_master(initial), group)
             self.units.append(unit)
@@ -256,7 +265,8 @@ class OffloadStates:
     def _staging_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffer = self._staging.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
-            buffer = torch.empty(self.unit_numel, dtype=dtype, pin_memory=self._pin)
+            # a whole-partition unit ([Note: whole-partition units]) may exceed `unit_numel`
+            buffer = torch.empty(max(self.unit_numel, numel), dtype=dtype, pin_memory=self._pin)
             self._staging[name] = buffer
         return buffer.narrow(0, 0, numel)
 
@@ -377,6 +387,7 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     """The host-memory check (always, when anything is offloaded), then the holder when the
     optimizer is offloaded; None without optimizer offload."""
     from zerospeed import comm
+    from zerospeed.runtime.zero.muon.attach import check_muon_supported
     from zerospeed.runtime.zero.offload.host_memory_check import (
         check_host_memory,
         local_ranks_from_env,
@@ -387,6 +398,8 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
 
     zero_config = config.zero_config
     block = zero_config.offload_optimizer
+    if block is not None and block.enabled:
+        check_muon_supported(optimizer, str(getattr(block.device, "value", block.device)))
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
     num_states = len(getattr(optimizer, "STATE_NAMES", ("exp_avg", "exp_avg_sq")))
     element_bytes = torch.empty(0, dtype=param_dtype).element_size()
