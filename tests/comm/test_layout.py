@@ -62,7 +62,7 @@ def test_layout_from_config_names_what_the_user_gave():
 
 def test_moe_layers_at_ep_size_1_count_as_moe():
     """AutoTP does not shard experts even when each rank holds all of them."""
-    layout = parallel_layout_for_run({}, 2, tensor_size=2, moe_expert_size=1)
+    layout = parallel_layout_for_run({}, 2, tensor_size=2, moe_expert_sizes=(1,))
     assert layout.has_moe and layout.expert == 1
     with pytest.raises(ValueError, match=r"tensor_parallel.autotp_size=2 together with MoE layers \(largest ep_size 1\)"):
         layout.validate()
@@ -88,3 +88,26 @@ def test_initialize_refuses_autotp_with_moe_before_cutting():
     for message, numels in run_on_ranks(_autotp_with_moe, 2):
         assert "tensor_parallel.autotp_size=2 together with MoE layers" in message, message
         assert numels[:2] == full   # the dense layer was not cut
+
+
+def test_expert_sizes_in_the_models_order_each_once():
+    """The expert groups are created in this order on every rank (a collective)."""
+    layout = parallel_layout_for_run({}, 4, moe_expert_sizes=(2, 1, 2, 4, 1))
+    assert (layout.expert_sizes, layout.expert, layout.has_moe) == ((2, 1, 4), 4, True)
+    plain = parallel_layout_for_run({}, 4)
+    assert (plain.expert_sizes, plain.expert, plain.has_moe) == ((), 1, False)
+
+
+def test_expert_sizes_must_agree_with_the_largest():
+    with pytest.raises(ValueError, match=r"expert_sizes \(2, 1\)"):
+        ParallelLayout(4, expert=1, has_moe=True, expert_sizes=(2, 1))
+    with pytest.raises(ValueError, match="has_moe=False"):
+        ParallelLayout(4, expert=2, expert_sizes=(2,))
+
+
+def test_data_parallel_size_beside_sequence_parallel_is_checked_with_the_layout():
+    assert parallel_layout_for_run({"sequence_parallel_size": 2, "data_parallel_size": 2}, 4).data == 2
+    with pytest.raises(ValueError, match=r"data_parallel_size=4 but world size 4 / sequence_parallel_size 2 = 2"):
+        parallel_layout_for_run({"sequence_parallel_size": 2, "data_parallel_size": 4}, 4)
+    # a sequence size that does not divide the world is reported where its grid is built
+    assert parallel_layout_for_run({"sequence_parallel_size": 3, "data_parallel_size": 4}, 4).sequence == 3

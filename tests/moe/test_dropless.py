@@ -45,7 +45,7 @@ def _expert_weights(module: torch.nn.Module, global_id: int) -> None:
 def _run_k(k: int) -> dict:
     from zerospeed.comm import comms_logger
     from zerospeed.moe.layer import MoE
-    from zerospeed.runtime.engine_moe import setup_moe
+    from zerospeed.runtime.engine_moe import EngineMoE
     from zerospeed.utils import groups
 
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -53,7 +53,7 @@ def _run_k(k: int) -> dict:
     # capacity_factor and min_capacity would drop most of expert 0's tokens; dropless ignores them.
     moe = MoE(D_MODEL, expert, NUM_EXPERTS, EP_SIZE, k, capacity_factor=0.25, eval_capacity_factor=0.25,
               min_capacity=1, drop_tokens=False, top2_2nd_expert_sampling=False)
-    setup_moe(moe)
+    EngineMoE(moe)
     ep_rank = groups._get_expert_parallel_rank(moe.expert_group_name)
     with torch.no_grad():
         moe.deepspeed_moe.gate.wg.weight.copy_(_gate_weight())

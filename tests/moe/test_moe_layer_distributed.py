@@ -129,12 +129,12 @@ def _all_to_all_records(k: int) -> list[tuple[str, int, int]]:
     from zerospeed.comm import comms_logger
     from zerospeed.moe.layer import MoE
 
-    from zerospeed.runtime.engine_moe import setup_moe
+    from zerospeed.runtime.engine_moe import EngineMoE
 
     layers = torch.nn.ModuleList(MoE(D_MODEL, torch.nn.Linear(D_MODEL, D_MODEL), NUM_EXPERTS, 2, k, CAPACITY_FACTOR,
                                      min_capacity=MIN_CAPACITY, use_rts=False, top2_2nd_expert_sampling=False)
                                  for _ in range(2))
-    setup_moe(layers)   # what initialize does: groups, and each layer's comms-logger name
+    EngineMoE(layers)   # what initialize does: groups, and each layer's comms-logger name
     comms_logger.configure(enabled=True, prof_all=True)
     comms_logger.reset()
     try:

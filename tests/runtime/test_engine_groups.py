@@ -51,18 +51,18 @@ def _fields(case: str) -> dict:
     groups.reset()
     raw: dict = {}
     model: torch.nn.Module = torch.nn.Linear(2, 2)
-    mpu, pipe_stages, tensor, expert = None, 1, 1, None
+    mpu, pipe_stages, tensor, expert = None, 1, 1, ()
     if case == "sequence":
         raw = {"sequence_parallel_size": 2}
     elif case == "tensor":
         tensor = 2
     elif case == "experts":
-        model, expert = _Moe(), 2
+        model, expert = _Moe(), (2, 1)
     elif case == "pipe":
         model = _pipeline()
         mpu, pipe_stages = model.mpu(), 2  # type: ignore[operator]
-    layout = parallel_layout_for_run(raw, 2, pipe_stages=pipe_stages, tensor_size=tensor, moe_expert_size=expert)
-    run = build_run_groups(layout, raw, model, mpu)
+    layout = parallel_layout_for_run(raw, 2, pipe_stages=pipe_stages, tensor_size=tensor, moe_expert_sizes=expert)
+    run = build_run_groups(layout, model, mpu)
     result: dict[str, Any] = {f.name: _members(getattr(run, f.name)) for f in dataclasses.fields(RunGroups)
               if f.name not in ("layout", "experts", "tied")}
     result["experts"] = {name: (_members(e.expert_parallel), _members(e.expert_data_parallel))

@@ -19,7 +19,7 @@ for each side (the config key and value, or the mpu), so the message points at w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["Refusal", "REFUSED_COMBINATIONS", "ParallelLayout", "parallel_layout_for_run"]
@@ -67,6 +67,16 @@ class ParallelLayout:
     has_moe: bool = False
     zero_stage: int = 0
     given: tuple[tuple[str, str], ...] = ()
+    expert_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # `expert_sizes` are the ep sizes of the model's MoE layers, each once, in the order the
+        # layers come (the order their groups are created in, the same on every rank); `expert`
+        # is the largest. A layout written for the table alone may leave them empty.
+        if self.expert_sizes and (not self.has_moe or self.expert != max(self.expert_sizes)
+                                  or len(set(self.expert_sizes)) != len(self.expert_sizes)):
+            raise ValueError(f"ParallelLayout: expert_sizes {self.expert_sizes} must be distinct, with has_moe "
+                             f"and expert their largest (got has_moe={self.has_moe}, expert={self.expert})")
 
     @property
     def data(self) -> int:
@@ -104,18 +114,21 @@ def _positive_int(value: Any) -> int:
 
 
 def parallel_layout_for_run(raw_config: dict[str, Any], world_size: int, *, pipe_stages: int = 1,
-                            tensor_size: int = 1, moe_expert_size: int | None = None,
+                            tensor_size: int = 1, moe_expert_sizes: Sequence[int] = (),
                             mpu_sequence_size: int | None = None) -> ParallelLayout:
     """The layout `initialize` is asked for: sizes from the ds_config (`sequence_parallel_size`,
     `zero_optimization.stage`) and what the caller found on the model and the mpu: pipeline stages,
-    the resolved AutoTP size, the largest expert-parallel size of its MoE layers (None without MoE
-    layers), the size of a sequence-parallel mpu's group (None without one)."""
+    the resolved AutoTP size, the ep sizes of its MoE layers in the model's order (empty without
+    MoE layers; repeats are dropped), the size of a sequence-parallel mpu's group (None without one)."""
+    expert_sizes = tuple(dict.fromkeys(moe_expert_sizes))
+    largest = max(expert_sizes) if expert_sizes else None
     given = [(PIPE, f"a PipelineModule with {pipe_stages} stages"),
              (TENSOR, f"tensor_parallel.autotp_size={tensor_size}"),
-             (EXPERT, f"MoE layers (largest ep_size {moe_expert_size})"), (ZERO3, "zero_optimization.stage 3")]
+             (EXPERT, f"MoE layers (largest ep_size {largest})"), (ZERO3, "zero_optimization.stage 3")]
     sequence = _positive_int(raw_config.get("sequence_parallel_size", 1))
     if sequence > 1:
         given.append((SEQUENCE, f"sequence_parallel_size={sequence}"))
+        _check_data_parallel_size(raw_config.get("data_parallel_size"), world_size, sequence)
     elif mpu_sequence_size is not None:
         sequence = mpu_sequence_size
         given.append((SEQUENCE, "an mpu with a sequence-parallel group "
@@ -123,5 +136,16 @@ def parallel_layout_for_run(raw_config: dict[str, Any], world_size: int, *, pipe
     zero = raw_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     return ParallelLayout(world_size, pipe=pipe_stages, tensor=tensor_size, sequence=sequence,
-                          expert=moe_expert_size or 1, has_moe=moe_expert_size is not None,
-                          zero_stage=stage if isinstance(stage, int) else 0, given=tuple(given))
+                          expert=largest or 1, has_moe=largest is not None,
+                          zero_stage=stage if isinstance(stage, int) else 0, given=tuple(given),
+                          expert_sizes=expert_sizes)
+
+
+def _check_data_parallel_size(data_parallel_size: Any, world_size: int, sequence: int) -> None:
+    """The ds_config's `data_parallel_size` beside `sequence_parallel_size` must be what is left of
+    the world (a size that does not divide the world is reported where its grid is built)."""
+    if data_parallel_size is None or world_size % sequence:
+        return
+    if data_parallel_size != world_size // sequence:
+        raise ValueError(f"data_parallel_size={data_parallel_size} but world size {world_size} / "
+                         f"sequence_parallel_size {sequence} = {world_size // sequence}")

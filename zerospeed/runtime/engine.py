@@ -22,7 +22,7 @@ from zerospeed.runtime.engine_accessors import EngineAccessors
 from zerospeed.runtime.engine_checkpointer import CheckpointSite, EngineCheckpointer, plain_checkpoint_site
 from zerospeed.runtime.engine_client_api import EngineClientAPI
 from zerospeed.runtime.engine_groups import build_run_groups
-from zerospeed.runtime.engine_moe import broadcast_expert_params, moe_model_parameters, setup_moe
+from zerospeed.runtime.engine_moe import EngineMoE
 from zerospeed.runtime.engine_setup import (
     broadcast_module_from_rank0,
     build_parallel_layout,
@@ -63,7 +63,8 @@ class DeepSpeedEngine(EngineClientAPI, EngineAccessors, torch.nn.Module):
         self.parallel_layout = build_parallel_layout(raw_config, model, mpu, self._pipe_stages(model))
         self.parallel_layout.validate()
         # Every group of the run, once, frozen ([Note: run groups] in comm/run_groups.py).
-        self.run_groups = build_run_groups(self.parallel_layout, raw_config, model, mpu)
+        self.run_groups = build_run_groups(self.parallel_layout, model, mpu, use_data_before_expert_parallel=bool(
+            raw_config.get("use_data_before_expert_parallelism", False)))
         # AutoTP shards the model over the run's tp group (tensor_parallel/setup.py).
         self.tensor_parallel = EngineTensorParallel.build(model, raw_config, mpu, self.run_groups)
         self._init_parallel_groups()
@@ -147,10 +148,10 @@ class DeepSpeedEngine(EngineClientAPI, EngineAccessors, torch.nn.Module):
                 if param.is_floating_point() and not hasattr(param, "ds_id"):
                     param.data = param.data.to(self.precision.param_dtype)
         model.to(self.device)
-        self._moe = setup_moe(model, self.run_groups, self._config.use_data_before_expert_parallel_)
+        # MoE layers get their groups (engine_moe.py); inactive without MoE layers.
+        self.moe = EngineMoE(model, self.run_groups, self._config.use_data_before_expert_parallel_)
         broadcast_module_from_rank0(model, self.dp_group)
-        if self._moe.has_moe_layers:
-            broadcast_expert_params(model, self.run_groups)
+        self.moe.broadcast_expert_params()
         self.param_names = {param: name for name, param in model.named_parameters()}
 
     def _init_dataloader(self, training_data: Any, collate_fn: Any) -> DeepSpeedDataLoader | None:
@@ -172,9 +173,7 @@ class DeepSpeedEngine(EngineClientAPI, EngineAccessors, torch.nn.Module):
 
     def _init_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         # Every ZeRO stage trains MoE layers (stage 3: [Note: MoE at stage 3] in stage3_gradients.py).
-        if self._moe.has_moe_layers and client_optimizer is None:  # DeepSpeed splits expert params itself
-            model_parameters = moe_model_parameters(model_parameters if model_parameters is not None
-                                                    else self.module.parameters())
+        model_parameters = self.moe.optimizer_parameters(model_parameters, client_optimizer)
         self.basic_optimizer = configure_basic_optimizer(self._config, self.module, client_optimizer,
                                                          model_parameters)
         self.optimizer = build_optimizer_wrapper(self.basic_optimizer, self._config, self.precision,

@@ -14,6 +14,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.runtime.tensor_parallel.config import TPTrainingConfig
+from zerospeed.runtime.engine_moe import EngineMoE
 from zerospeed.runtime.tensor_parallel.engine_component import EngineTensorParallel
 
 
@@ -47,6 +48,7 @@ class EngineAccessors:
     _global_grad_norm: float | None
     _step_applied: bool
     tensor_parallel: EngineTensorParallel
+    moe: EngineMoE
     dp_group: Any
 
     # --- batch sizes ----------------------------------------------------------------------------
@@ -270,28 +272,22 @@ class EngineAccessors:
     def get_loss_scale(self) -> float:
         return self.optimizer.cur_scale
 
-    # --- Mixture of Experts (engine_moe.py) -------------------------------------------------------
-    @property
-    def _moe_info(self) -> Any:
-        from zerospeed.runtime.engine_moe import MoEInfo
-
-        return self.__dict__.get("_moe") or MoEInfo()   # an engine built without _init_module has none
-
+    # --- Mixture of Experts (engine_moe.py: the `moe` component) ----------------------------------
     @property
     def has_moe_layers(self) -> bool:
-        return self._moe_info.has_moe_layers
+        return self.moe.has_moe_layers
 
     @property
     def num_experts(self) -> list[int]:
-        return self._moe_info.num_experts
+        return self.moe.num_experts
 
     @property
     def moe_layers(self) -> list[Any]:
-        return self._moe_info.moe_layers
+        return self.moe.moe_layers
 
     @property
     def gate_modules(self) -> list[Any]:
-        return self._moe_info.gate_modules
+        return self.moe.gate_modules
 
     # --- tensor parallelism (tensor_parallel/engine_component.py) ---------------------------------
     def autotp_size(self) -> int:

@@ -4,8 +4,9 @@ comm/run_groups.py).
 One function creates every group of the run, in one order on every rank: AutoTP's data x tensor
 grid, or the sequence-parallel grid (from the ds_config or a sequence-parallel mpu), or the
 data-parallel group (the world, or the user's mpu: a pipeline's grid is one); then the expert
-groups of every MoE ep size in the model. The groups a `PipelineModule` built at construction (its
-grid and its tie groups) are taken into the value as they are. The result is frozen, published
+groups of every MoE ep size, in the model's order. Every size is read from the layout, none from
+the config or the model. The groups a `PipelineModule` built at construction (its grid and its tie
+groups) are taken into the value as they are. The result is frozen, published
 for DeepSpeed's accessors and handed to the features.
 """
 
@@ -23,23 +24,26 @@ from zerospeed.comm.run_groups import AxisGroup, ExpertGroups, RunGroups
 __all__ = ["build_run_groups"]
 
 
-def build_run_groups(layout: ParallelLayout, raw_config: dict[str, Any], model: torch.nn.Module,
-                     mpu: Any) -> RunGroups:
-    """Every process group of this run (collective: every rank calls it with the same layout)."""
+def build_run_groups(layout: ParallelLayout, model: torch.nn.Module, mpu: Any, *,
+                     use_data_before_expert_parallel: bool = False) -> RunGroups:
+    """Every process group of this run (collective: every rank calls it with the same layout).
+    The sizes are the layout's; the model is read for AutoTP's checks and a PipelineModule's tie
+    groups, the mpu for the groups it built; `use_data_before_expert_parallel` orders the expert
+    groups' ranks (the ds_config's `use_data_before_expert_parallelism`)."""
     from zerospeed.runtime.sequence_parallel.groups_setup import build_sequence_parallel
     from zerospeed.runtime.tensor_parallel.setup import build_tensor_parallel_grid
 
     tensor = data = None
     if layout.tensor > 1:
         tensor, data = build_tensor_parallel_grid(layout.tensor, model, mpu)
-    sp = build_sequence_parallel(raw_config, mpu if tensor is None else None)
+    sp = build_sequence_parallel(layout.sequence, mpu if tensor is None else None)
     sequence = sequence_data = None
     if sp is not None:
         data = _axis(sp.data_parallel_group)
         sequence, sequence_data = _axis(sp.sequence_parallel_group), _axis(sp.sequence_data_parallel_group)
     elif data is None:
         data = groups.initialize_data_parallel(mpu=mpu)
-    experts = _expert_groups(model, bool(raw_config.get("use_data_before_expert_parallelism", False)))
+    experts = _expert_groups(layout, use_data_before_expert_parallel)
     pipe, pipe_model = _pipeline_groups(mpu)
     run = RunGroups(layout, data, sequence_data or data, sequence_parallel=sequence, tensor_parallel=tensor,
                     pipe_parallel=pipe, pipe_model_parallel=pipe_model, experts=experts, tied=_tie_groups(model))
@@ -52,17 +56,12 @@ def _axis(group: Any) -> AxisGroup:
     return AxisGroup(group, tuple(comm.get_global_rank(group, r) for r in range(comm.get_world_size(group))))
 
 
-def _expert_groups(model: torch.nn.Module, use_data_before_expert_parallel: bool) -> dict[str, ExpertGroups]:
-    """The expert groups of every ep size among the model's MoE layers, in the order the layers come
-    (the same on every rank, as group creation needs)."""
-    from zerospeed.moe.layer import MoE
-
-    experts: dict[str, ExpertGroups] = {}
-    for layer in model.modules():
-        if isinstance(layer, MoE) and layer.expert_group_name not in experts:
-            experts[layer.expert_group_name] = groups.build_expert_groups(
-                layer.ep_size, use_data_before_expert_parallel=use_data_before_expert_parallel)
-    return experts
+def _expert_groups(layout: ParallelLayout, use_data_before_expert_parallel: bool) -> dict[str, ExpertGroups]:
+    """The expert groups of every ep size of the layout, in its order (the model's: the same on
+    every rank, as group creation needs)."""
+    built = (groups.build_expert_groups(size, use_data_before_expert_parallel=use_data_before_expert_parallel)
+             for size in layout.expert_sizes)
+    return {expert.name: expert for expert in built}
 
 
 def _pipeline_groups(mpu: Any) -> tuple[AxisGroup | None, AxisGroup | None]:

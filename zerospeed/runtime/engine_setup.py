@@ -109,5 +109,5 @@ def build_parallel_layout(raw_config: dict[str, Any], model: torch.nn.Module, mp
         mpu_sequence_size = comm.get_world_size(mpu.get_sequence_parallel_group())
     return parallel_layout_for_run(raw_config, comm.get_world_size(), pipe_stages=pipe_stages,
                                    tensor_size=resolve_tp_config(raw_config, model).tp_size,
-                                   moe_expert_size=max(ep_sizes) if ep_sizes else None,
+                                   moe_expert_sizes=ep_sizes,
                                    mpu_sequence_size=mpu_sequence_size)

@@ -50,26 +50,25 @@ def sequence_parallel_topology(world_size: int, sequence_parallel_size: int,
     return ProcessTopology(["data", "sequence"], [dp, sequence_parallel_size])
 
 
-def build_sequence_parallel(raw_config: dict[str, Any], mpu: Any) -> SequenceParallelGroups | None:
-    """The groups for ``sequence_parallel_size`` in the ds_config, or a sequence-parallel ``mpu``.
+def build_sequence_parallel(sequence_size: int, mpu: Any) -> SequenceParallelGroups | None:
+    """The groups for the layout's sequence size (``sequence_parallel_size`` in the ds_config, whose
+    ``data_parallel_size`` the layout checked), or a sequence-parallel ``mpu``'s (collective).
 
     Returns None (and forgets any groups an earlier engine in this process built) without them.
     """
     if mpu is not None and hasattr(mpu, "get_sequence_parallel_group"):
         return _from_mpu(mpu)
-    sp_size = raw_config.get("sequence_parallel_size", 1)
-    if not isinstance(sp_size, int) or sp_size <= 1:
+    if sequence_size <= 1:
         if mpu is None:
             groups.forget_sequence_parallel()
         return None
     if mpu is not None:
         raise ValueError("sequence_parallel_size in the ds_config cannot be combined with an mpu that has no "
                          "sequence-parallel group (pipeline or model parallelism with Ulysses is not supported)")
-    dp_size = raw_config.get("data_parallel_size")
-    topology = sequence_parallel_topology(comm.get_world_size(), sp_size, dp_size)
+    topology = sequence_parallel_topology(comm.get_world_size(), sequence_size)
     data = groups.initialize(topology)
     return SequenceParallelGroups(groups._get_sequence_parallel_group(), groups._get_sequence_data_parallel_group(),
-                                  data.group, sp_size, topology.get_dim("data"))
+                                  data.group, sequence_size, topology.get_dim("data"))
 
 
 def _from_mpu(mpu: Any) -> SequenceParallelGroups:
