@@ -62,7 +62,7 @@ def _accumulation_dtypes():
         engine.backward(engine(x.bfloat16(), y.bfloat16()))
         if micro_step == 0:
             in_param = [p.grad is not None for p in engine.module.parameters()]
-            accumulators = [a.dtype for a in optimizer._accum_grads]
+            accumulators = [a.dtype for a in optimizer.gradient_views()]
         engine.step()
     return in_param, accumulators, engine.global_steps
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import zerospeed
+from copy_counter import CopyCounter
 from distributed import run_on_ranks
 from parity import (assert_close_relative, ds_optimizer_block, global_batches, make_model, micro_batch,
                     reference_run)
@@ -131,5 +132,69 @@ def test_ranks_using_different_parameters_still_reduce_correctly():
     torch.manual_seed(0)
     _, ref_params = reference_run(_TwoExperts(), _expert_batches(), "AdamW", LR, WEIGHT_DECAY, 0.0)
     for params in run_on_ranks(_train_experts, 2):
+        for name, expected in ref_params.items():
+            assert_close_relative(params[name], expected, 1e-6, name)
+
+
+class _TiedAndFrozen(torch.nn.Module):
+    """A weight used twice (input projection and, transposed, the head) and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16, bias=False)
+        self.frozen = torch.nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.back = torch.nn.Linear(16, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        hidden = torch.tanh(self.frozen(torch.tanh(self.proj(x))))
+        tied = torch.tanh(hidden @ self.proj.weight + self.back(hidden))
+        return torch.nn.functional.mse_loss(self.head(tied), y)
+
+
+def _make_tied_and_frozen():
+    torch.manual_seed(0)
+    return _TiedAndFrozen()
+
+
+def _train_with_views(gas):
+    """Train, checking the gradients' storage: after every backward each trainable `.grad` is a view
+    of the persistent bucket tensor, after every step it is None, and no copy-like op reads or
+    writes a gradient's memory in a step after the first ([Note: gradients as bucket views])."""
+    rank = torch.distributed.get_rank()
+    micro = GLOBAL_BATCH // (gas * 2)
+    config = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas,
+              "optimizer": ds_optimizer_block("AdamW", LR, WEIGHT_DECAY), "gradient_clipping": 0.05,
+              "zero_optimization": {"stage": 0, "reduce_bucket_size": 40}}
+    engine, _, _, _ = zerospeed.initialize(model=_make_tied_and_frozen(), config=config)
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    flat_storages, copies, views_seen = set(), [], []
+    for step, batch in enumerate(global_batches(NUM_STEPS, GLOBAL_BATCH)):
+        buffers = engine.optimizer._reducer.grad_buffers()
+        counter = CopyCounter({b.untyped_storage().data_ptr() for b in buffers})
+        with counter:
+            for k in range(gas):
+                engine.backward(engine(*micro_batch(batch, k, rank, micro, 2)))
+                flat = engine.optimizer._reducer.grad_buffers()[0].untyped_storage().data_ptr()
+                flat_storages.add(flat)
+                views_seen.append(all(p.grad.untyped_storage().data_ptr() == flat for p in trainable))
+                engine.step()
+        assert all(p.grad is None for p in engine.module.parameters())
+        if step:
+            copies.append(counter.count)
+    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    return params, len(flat_storages), copies, views_seen, engine.get_global_grad_norm()
+
+
+@pytest.mark.parametrize("gas", [1, 4])
+def test_gradients_accumulate_in_bucket_views_without_copies(gas):
+    """Tied and frozen parameters, accumulation and clipping through the views: the single-process
+    reference's parameters, one bucket tensor for the run, no gradient copied in any later step."""
+    _, ref_params = reference_run(_make_tied_and_frozen(), global_batches(NUM_STEPS, GLOBAL_BATCH), "AdamW", LR,
+                                  WEIGHT_DECAY, 0.05)
+    for params, num_flats, copies, views_seen, norm in run_on_ranks(_train_with_views, 2, gas):
+        assert num_flats == 1 and all(views_seen) and copies == [0] * (NUM_STEPS - 1)
+        assert norm > 0.05   # clipping was active
         for name, expected in ref_params.items():
             assert_close_relative(params[name], expected, 1e-6, name)

@@ -3,10 +3,11 @@
 The same wrapper serves fp32, fp16 and bf16. In low precision the module holds fp16 / bf16
 parameters and the base optimizer holds one fp32 master per trainable parameter (the param
 groups are re-pointed at the masters), so the update happens in fp32 and is copied back.
-Gradients accumulate across micro-batches in `grad_accum_dtype`: in the parameters' own `.grad`
-when that is the model dtype, else in a separate buffer per parameter filled by its gradient hook.
-On the boundary micro-batch the hooks also start the bucketed all-reduce while backward runs
-([Note: overlapped all-reduce] in overlapped_allreduce.py).
+Gradients accumulate across micro-batches in `grad_accum_dtype`, in persistent flat buckets: each
+parameter's `.grad` is a view of its slot, into which autograd accumulates, when that dtype is the
+model's; else the gradient hook adds each gradient into the slot and clears `.grad` ([Note:
+gradients as bucket views] in overlapped_allreduce.py). On the boundary micro-batch the hooks
+also start the bucketed all-reduce, in place, while backward runs ([Note: overlapped all-reduce]).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         attach_stage0(init_optimizer, dp_group)   # Muon's matrix owners; nothing for other optimizers
         # Read by every gradient hook call; fixed here, as the settings are (a frozen dataclass).
         self._separate_accumulation = precision.grad_accum_dtype != precision.param_dtype
-        self._accum_grads: list[torch.Tensor | None] = [None] * len(self._lp_params)
-        self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision)
+        self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision,
+                                         grads_in_params=not self._separate_accumulation)
+        self._window_open = False      # the buckets hold this accumulation window's gradients
         self._reduce_in_backward = False
         self._hook_handles = [param.register_post_accumulate_grad_hook(self._grad_hook(index))
                               for index, param in enumerate(self._lp_params)]
@@ -90,7 +92,8 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
 
     def offloadable_state_tensors(self) -> StateTensors:
         """Every tensor object holding each state ([Note: storage relocation] in zero/state_offload.py)."""
-        grads = [g for g in self._accum_grads if g is not None] + [p.grad for p in self._lp_params if p.grad is not None]
+        # the buckets, their views (the `.grad`s in most cases) and any gradient outside them
+        grads = self._reducer.grad_buffers() + [p.grad for p in self._lp_params if p.grad is not None]
         return {OffloadStateTypeEnum.lp_params: list(self._lp_params),
                 OffloadStateTypeEnum.hp_params: list(self._masters),   # in fp32 the params themselves
                 OffloadStateTypeEnum.lp_grads: grads,
@@ -99,47 +102,63 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
 
     # --- gradients ----------------------------------------------------------------------------
     def prepare_backward(self, will_reduce: bool) -> None:
+        self._open_window()
         self._reduce_in_backward = will_reduce
 
-    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def on_grad_ready(param: torch.Tensor) -> None:
-            if self._separate_accumulation:
-                self._move_grad_to_accumulator(index, param)
-            if self._reduce_in_backward:
-                self._reducer.mark_ready(index, self._gradient)
+    def _open_window(self) -> None:
+        """Zero the buckets and attach the views once per accumulation window (its first backward)."""
+        if not self._window_open:
+            self._reducer.start_window()
+            self._window_open = True
 
-        return on_grad_ready
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        # [Note: gradients as bucket views]: autograd has accumulated into the bucket; the hook
+        # only counts. Bound here so that a call is one closure and one method.
+        reducer, local = self._reducer.slot(index)
+
+        def on_grad_ready(param: torch.Tensor) -> None:
+            if self._reduce_in_backward:
+                reducer.mark_ready(local)
+
+        def on_grad_to_accumulate(param: torch.Tensor) -> None:
+            self._move_grad_to_accumulator(index, param)
+            if self._reduce_in_backward:
+                reducer.mark_ready(local)
+
+        return on_grad_to_accumulate if self._separate_accumulation else on_grad_ready
 
     def backward_epilogue(self, is_boundary: bool) -> None:
         if is_boundary:
-            self._reducer.finish(self._gradient)
+            self._reducer.finish()
         self._reduce_in_backward = False
 
+    @torch.no_grad()
     def _move_grad_to_accumulator(self, index: int, param: torch.Tensor) -> None:
         assert param.grad is not None, "the hook runs for a parameter whose gradient was just produced"
-        grad = param.grad.to(self.precision.grad_accum_dtype)
-        acc = self._accum_grads[index]
-        self._accum_grads[index] = grad if acc is None else acc.add_(grad)
+        self._open_window()   # a backward outside engine.backward
+        # upcast exactly, then one add in the accumulation dtype (into zeros on the first micro-batch)
+        self._reducer.view(index).add_(param.grad)
         param.grad = None
 
+    def gradient_views(self) -> list[torch.Tensor]:
+        """Each trainable parameter's slot in its bucket, where its gradient accumulates (and is
+        reduced) in `grad_accum_dtype`."""
+        return [self._reducer.view(index) for index in range(len(self._lp_params))]
+
     def _gradient(self, index: int) -> torch.Tensor:
-        """The accumulated gradient of trainable param `index` (zeros where none was produced, so
-        every rank reduces the same sizes)."""
+        """The accumulated gradient of trainable param `index` (zeros where none was produced)."""
+        if self._separate_accumulation:
+            return self._reducer.view(index)
         param = self._lp_params[index]
-        grad = self._accum_grads[index] if self._separate_accumulation else param.grad
-        if grad is None:
-            grad = torch.zeros_like(param, dtype=self.precision.grad_accum_dtype)
-            self._store_grad(index, grad)
-        return grad
+        if param.grad is None:   # cleared by the user after backward: zeros, in its slot
+            view = self._reducer.view(index)
+            view.zero_()
+            param.grad = view
+        return param.grad
 
     def _gradients(self) -> list[torch.Tensor]:
+        self._open_window()   # a step with no backward in this window: zero gradients
         return [self._gradient(index) for index in range(len(self._lp_params))]
-
-    def _store_grad(self, index: int, grad: torch.Tensor) -> None:
-        if self._separate_accumulation:
-            self._accum_grads[index] = grad
-        else:
-            self._lp_params[index].grad = grad
 
     # --- the step ([Note: one step] in base_optimizer.py) -------------------------------------------
     def _step_gradients(self) -> StepGradients:
@@ -167,7 +186,9 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
             param.grad = None
         for master in self._masters:
             master.grad = None
-        self._accum_grads = [None] * len(self._lp_params)
+        # The buckets keep their memory; the next window's first backward zeroes them and points
+        # the `.grad`s at them again, so between steps `.grad` is None, as before.
+        self._window_open = False
 
     # --- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -250,7 +271,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
                     master.copy_(param)
 
     def memory_breakdown(self) -> dict[str, int]:
-        grads = [p.grad for p in self._lp_params] + list(self._accum_grads)
+        grads = [p.grad for p in self._lp_params] + self._reducer.grad_buffers()
         breakdown = {
             "lp_params": tensor_bytes(self._lp_params),
             "grads": tensor_bytes([g for g in grads if g is not None]),

@@ -21,7 +21,7 @@ gradient space declares those groups ([Note: gradient space] in grad_space.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,10 +61,11 @@ def _reduction_group(key: str, dp_group: Any) -> Any:
 
 class GroupedAllReduce:
     """Stage 0's overlapped all-reduce, one `OverlappedAllReduce` per reduction group
-    ([Note: expert gradient reduction]); without experts it is exactly one over the dp group."""
+    ([Note: expert gradient reduction]); without experts it is exactly one over the dp group.
+    Parameter `index` is the one of `params`; each reducer numbers its own members."""
 
     def __init__(self, params: Sequence[torch.Tensor], bucket_numel: int, dp_group: Any,
-                 settings: PrecisionSettings) -> None:
+                 settings: PrecisionSettings, grads_in_params: bool = True) -> None:
         dp_world_size = comm.get_world_size(dp_group)
         self.members = list(reduction_plan(params).items())
         # One group: launched buckets finish as they go; several: all at the end ([Note:
@@ -72,26 +73,42 @@ class GroupedAllReduce:
         self.reducers = [OverlappedAllReduce([params[i] for i in indices], bucket_numel,
                                              _reduction_group(key, dp_group), settings,
                                              average_world_size=dp_world_size,
-                                             bound_in_flight=len(self.members) == 1)
+                                             bound_in_flight=len(self.members) == 1,
+                                             grads_in_params=grads_in_params)
                          for key, indices in self.members]
-        self._slot = {index: (r, local) for r, (_, indices) in enumerate(self.members)
+        self._slot = {index: (self.reducers[r], local) for r, (_, indices) in enumerate(self.members)
                       for local, index in enumerate(indices)}
 
     @property
     def has_experts(self) -> bool:
         return any(key != DENSE for key, _ in self.members)
 
-    def _local(self, reducer: int, grad_of: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        indices = self.members[reducer][1]
-        return lambda local: grad_of(indices[local])
+    def slot(self, index: int) -> tuple[OverlappedAllReduce, int]:
+        """The reducer of parameter `index` and its number there (what a gradient hook binds)."""
+        return self._slot[index]
 
-    def mark_ready(self, index: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+    def view(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s gradient slot in its bucket ([Note: gradients as bucket views])."""
         reducer, local = self._slot[index]
-        self.reducers[reducer].mark_ready(local, self._local(reducer, grad_of))
+        return reducer.views()[local]
 
-    def finish(self, grad_of: Callable[[int], torch.Tensor]) -> None:
-        for reducer_index, reducer in enumerate(self.reducers):
-            reducer.finish(self._local(reducer_index, grad_of))
+    def start_window(self) -> None:
+        for reducer in self.reducers:
+            reducer.start_window()
+
+    def mark_ready(self, index: int) -> None:
+        reducer, local = self._slot[index]
+        reducer.mark_ready(local)
+
+    def finish(self) -> None:
+        for reducer in self.reducers:
+            reducer.finish()
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [t for reducer in self.reducers for t in reducer.grad_buffers()]
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        return [t for reducer in self.reducers for t in reducer.flat_buffers()]
 
 
 def expert_parallel_groups(params: Sequence[torch.Tensor], run_groups: RunGroups | None = None) -> dict[str, Any]:

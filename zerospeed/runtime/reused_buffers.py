@@ -1,11 +1,12 @@
 """`ReusedBuffers`: a fixed set of flat buffers, each allocated on first use and kept for the run.
 
 [Note: reused flat buffers]
-Gradient reductions copy gradients into flat buffers (stage 0's buckets, stage 3's slabs). A fresh
-buffer per reduction and step is, on a CPU, mapped and first-touched anew whenever glibc has given
-the previous one back to the system: thousands of minor page faults on some steps and none on
-others, which was much of the step-time jitter of issue 21. So both reducers take their buffers from
-here: buffer `i` is allocated once, at its use's size, and the same memory serves every later step.
+Gradient reductions copy gradients into flat buffers (stage 3's slabs; stage 0's buckets when they
+are reduced in another dtype than the gradients'). A fresh buffer per reduction and step is, on a
+CPU, mapped and first-touched anew whenever glibc has given the previous one back to the system:
+thousands of minor page faults on some steps and none on others, which was much of the step-time
+jitter of issue 21. So both reducers take their buffers from here: buffer `i` is allocated once, at
+its use's size, and the same memory serves every later step.
 The reducer decides which buffer a reduction uses and must not reuse one whose reduction is still
 in flight; both keep two, taking turns, and wait for the older reduction before refilling its buffer.
 All buffers live on one device, the first one's, so a stand-in gradient from elsewhere (a zero on
