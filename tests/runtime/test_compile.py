@@ -89,8 +89,21 @@ def _check(results: list[dict]) -> None:
             torch.testing.assert_close(compiled, eager, rtol=RTOL, atol=0, msg=f"stage {stage}")
 
 
+def test_the_blocks_are_the_compiled_units_without_stage_3_too():
+    """[Note: why blocks at every stage] in runtime/compiled_regions.py: without a stage-3 offload
+    each block is compiled alone as well (its gradients, and their buckets' reductions, are then
+    ready while the blocks before it run their backward); the rest of the model stays eager."""
+    from zerospeed.runtime.compiled_regions import compile_model
+
+    model = _gpt(0)
+    units = compile_model(model, "aot_eager", {})
+    assert units == list(model.blocks)
+    assert all("forward" in vars(block) for block in units)   # the compiled forward, per instance
+    assert model._compiled_call_impl is None                  # the model itself is not compiled whole
+
+
 def test_compiled_gpt_is_one_graph_at_stages_0_to_2_with_eager_losses():
-    """The whole model is compiled; the ZeRO hooks of stages 1-2 run in backward, untraced."""
+    """Each block is compiled alone; the ZeRO hooks of stages 1-2 run in backward, untraced."""
     _check(run_on_ranks(_compiled_vs_eager, 2, "gpt", [0, 1, 2], timeout_s=300))
 
 

@@ -1,14 +1,21 @@
-"""What `engine.compile()` hands to `torch.compile`: the whole model, or each transformer block.
+"""What `engine.compile()` hands to `torch.compile`: each transformer block, or the whole model.
 
-Without stage 3 the engine's hooks are gradient hooks, which dynamo never traces, so the whole
-model is compiled in place (`module.compile()`, as DeepSpeed does). At stage 3 every module's
-forward hooks gather and release parameters, and tracing them breaks the graph about a dozen times
-per block. There the blocks, the entries of the model's `nn.ModuleList`s (torchtitan's unit:
-FSDP2 and per-block `torch.compile`), are compiled one by one, `forward` only, and become fetch
-units of the stage-3 hooks, which stay on the block's `__call__`, outside the compiled region
-([Note: compiled blocks] in zero/parameter_offload.py). The modules outside the blocks (embeddings,
-final norm, LM head) run eagerly: they are a small part of the step and read tied weights, which
-are gathered through the partitioned parameter's hooks.
+The unit is the block at every stage: the entries of the model's `nn.ModuleList`s (torchtitan's
+unit: FSDP2 and per-block `torch.compile`), each compiled alone, `forward` only. The modules
+outside the blocks (embeddings, final norm, LM head) run eagerly: they are a small part of the
+step and read tied weights. A model without a `ModuleList` is compiled whole, in place
+(`module.compile()`, as DeepSpeed does at every stage).
+
+[Note: why blocks at every stage]
+A compiled region's backward is one graph whose gradients all appear when it ends. Compiled whole,
+a model's gradient hooks (stages 0-2: the bucketed all-reduces and reduce-scatters) would all fire
+after the last kernel, and no reduction would overlap the backward; per block, a block's gradients
+are ready, and its buckets reduced, while the blocks before it run their backward (DDP gets the
+same from its DDPOptimizer, which splits the graph at bucket boundaries). At stage 3 the block is
+also the fetch unit: every module's forward hooks gather and release parameters, and tracing
+them would break the graph about a dozen times per block; the stage-3 hooks stay on the block's
+`__call__`, outside the compiled region ([Note: compiled blocks] in zero/parameter_offload.py).
+Measured with `benchmarks/bench_compile.py` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,18 +47,17 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def compile_model(module: torch.nn.Module, backend: Any, compile_kwargs: dict[str, Any],
                   parameter_offload: Any = None) -> list[torch.nn.Module]:
-    """Compile `module` for training; returns the modules whose forward was compiled. With a
-    stage-3 `parameter_offload`, each block is compiled and made a fetch unit (see the module doc)."""
-    if parameter_offload is None:
-        module.compile(backend=backend, **compile_kwargs)
-        return [module]
+    """Compile `module` for training; returns the modules whose forward was compiled: each block,
+    made a fetch unit with a stage-3 `parameter_offload` ([Note: why blocks at every stage])."""
     blocks = transformer_blocks(module)
     if not blocks:
-        logger.warning("engine.compile(): the model has no nn.ModuleList of blocks to compile one by one; "
-                       "compiling it whole, with a graph break at every ZeRO-3 gather and release")
+        if parameter_offload is not None:
+            logger.warning("engine.compile(): the model has no nn.ModuleList of blocks to compile one by one; "
+                           "compiling it whole, with a graph break at every ZeRO-3 gather and release")
         module.compile(backend=backend, **compile_kwargs)
         return [module]
-    parameter_offload.set_fetch_units(blocks)
+    if parameter_offload is not None:
+        parameter_offload.set_fetch_units(blocks)
     for block in blocks:
         # The instance attribute shadows the class's forward; __call__ and its hooks stay eager.
         block.forward = torch.compile(block.forward, backend=backend, **compile_kwargs)

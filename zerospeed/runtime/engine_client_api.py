@@ -72,8 +72,8 @@ class EngineClientAPI:
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
-        """Compile with `torch.compile` (DeepSpeed's signature): the whole module, or at stage 3
-        each transformer block with the ZeRO hooks outside (runtime/compiled_regions.py)."""
+        """Compile with `torch.compile` (DeepSpeed's signature): each transformer block, the ZeRO
+        hooks outside (runtime/compiled_regions.py); a model without blocks whole."""
         if schedule is not None:
             raise NotImplementedError("engine.compile(schedule=...) is DeepCompile, which zerospeed does not implement")
         if self._is_compiled:
