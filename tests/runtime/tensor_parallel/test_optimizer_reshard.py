@@ -43,7 +43,7 @@ def _train(engine, steps) -> list[float]:
 def _full(engine) -> dict:
     from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
 
-    if getattr(engine, "tensor_parallel", None) is None:
+    if not engine.tensor_parallel.enabled:
         return {k: v.clone() for k, v in engine.module.state_dict().items()}
     return consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
 

@@ -50,7 +50,7 @@ def _weights(engine) -> dict:
 
     params = list(engine.module.parameters())
     with GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
-        if getattr(engine, "tensor_parallel", None) is None:
+        if not engine.tensor_parallel.enabled:
             return {k: v.clone() for k, v in engine.module.state_dict().items()}
         return consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
 
