@@ -10,29 +10,11 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 from tests.distributed import run_on_ranks
-from tp_models import global_batches, tiny_model, train_dp_slices
+from tp_models import autotp_engine, full_weights, global_batches, train_dp_slices
 
 GLOBAL_BATCH, SAVE_AT, STEPS, TOL = 2, 2, 4, 1e-6
-
-
-def _engine(tp: int, stage: int):
-    import zerospeed
-
-    dp = torch.distributed.get_world_size() // tp
-    # train_batch_size counted over every rank, as accelerate writes it for "auto" and DeepSpeed checks
-    # it under AutoTP: restated for the dp size (engine.train_batch_size() below).
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 1.0,
-              "train_batch_size": GLOBAL_BATCH // dp * torch.distributed.get_world_size(),
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-              "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
-    model = tiny_model("llama")
-    if tp > 1:
-        model = zerospeed.tp_model_init(model, tp, torch.float32)
-    engine, *_ = zerospeed.initialize(model=model, config=config)
-    return engine
 
 
 def _train(engine, steps) -> list[float]:
@@ -40,28 +22,20 @@ def _train(engine, steps) -> list[float]:
     return train_dp_slices(engine, [batches[step] for step in steps])[0]
 
 
-def _full(engine) -> dict:
-    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
-
-    if not engine.tensor_parallel.enabled:
-        return {k: v.clone() for k, v in engine.module.state_dict().items()}
-    return consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
-
-
 def _resume_at_other_tp(saved_tp: int, saved_stage: int, loaded_tp: int, loaded_stage: int, save_dir: str) -> dict:
     from zerospeed.comm import groups
 
     try:
-        engine = _engine(saved_tp, saved_stage)
+        engine = autotp_engine(saved_tp, saved_stage, GLOBAL_BATCH)
         _train(engine, range(SAVE_AT))
         engine.save_checkpoint(save_dir, tag="t")
-        continued, expected = _train(engine, range(SAVE_AT, STEPS)), _full(engine)
+        continued, expected = _train(engine, range(SAVE_AT, STEPS)), full_weights(engine)
         groups.reset()
-        resumed = _engine(loaded_tp, loaded_stage)
+        resumed = autotp_engine(loaded_tp, loaded_stage, GLOBAL_BATCH)
         resumed.load_checkpoint(save_dir, tag="t")
         steps = resumed.global_steps
         assert engine.train_batch_size() == resumed.train_batch_size() == GLOBAL_BATCH
-        losses, got = _train(resumed, range(SAVE_AT, STEPS)), _full(resumed)
+        losses, got = _train(resumed, range(SAVE_AT, STEPS)), full_weights(resumed)
         return {"loss": max(abs(a - b) / b for a, b in zip(losses, continued)), "steps": steps,
                 "param": max((got[k] - expected[k]).abs().max().item() for k in expected),
                 "files": sorted(os.listdir(os.path.join(save_dir, "t")))}

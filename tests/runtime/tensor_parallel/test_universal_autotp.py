@@ -15,44 +15,15 @@ import pytest
 import torch
 
 from tests.distributed import run_on_ranks
-from tp_models import global_batches, tiny_model, train_dp_slices
+from tp_models import autotp_engine, full_weights, global_batches, train_dp_slices
 
 GLOBAL_BATCH, SAVE_AT, STEPS = 2, 2, 4
 TOL = 1e-6   # fp32: the same arithmetic in another order (tp reductions, partition sums)
 
 
-def _engine(tp: int, stage: int, universal: bool):
-    import zerospeed
-
-    dp = torch.distributed.get_world_size() // tp
-    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 1.0,
-              "train_batch_size": GLOBAL_BATCH // dp * torch.distributed.get_world_size(),
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-              "zero_optimization": zero, "tensor_parallel": {"autotp_size": tp},
-              **({"checkpoint": {"load_universal": True}} if universal else {})}
-    model = tiny_model("llama")
-    if tp > 1:
-        model = zerospeed.tp_model_init(model, tp, torch.float32)
-    engine, *_ = zerospeed.initialize(model=model, config=config)
-    return engine
-
-
 def _train(engine, steps) -> list[float]:
     batches = global_batches(GLOBAL_BATCH, STEPS)
     return train_dp_slices(engine, [batches[step] for step in steps])[0]
-
-
-def _full(engine) -> dict:
-    """The unsharded weights (gathered over dp at stage 3, then over tp)."""
-    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
-    from zerospeed.runtime.zero.partition_parameters import GatheredParameters
-
-    params = list(engine.module.parameters())
-    with GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
-        if not engine.tensor_parallel.enabled:
-            return {k: v.clone() for k, v in engine.module.state_dict().items()}
-        return consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
 
 
 def _through_universal(saved: tuple[int, int], loaded: tuple[int, int], root: str) -> dict:
@@ -61,19 +32,19 @@ def _through_universal(saved: tuple[int, int], loaded: tuple[int, int], root: st
     from zerospeed.comm import groups
 
     try:
-        engine = _engine(*saved, universal=False)
+        engine = autotp_engine(*saved, GLOBAL_BATCH)
         _train(engine, range(SAVE_AT))
         engine.save_checkpoint(root, tag="t")
-        continued, expected = _train(engine, range(SAVE_AT, STEPS)), _full(engine)
+        continued, expected = _train(engine, range(SAVE_AT, STEPS)), full_weights(engine)
         if torch.distributed.get_rank() == 0:
             convert_to_universal(os.path.join(root, "t"), os.path.join(root, "t_universal"),
                                  inject_missing_state=True)
         torch.distributed.barrier()
         groups.reset()
-        resumed = _engine(*loaded, universal=True)
+        resumed = autotp_engine(*loaded, GLOBAL_BATCH, checkpoint={"load_universal": True})
         resumed.load_checkpoint(root)   # the tag from latest_universal
         steps = resumed.global_steps
-        losses, got = _train(resumed, range(SAVE_AT, STEPS)), _full(resumed)
+        losses, got = _train(resumed, range(SAVE_AT, STEPS)), full_weights(resumed)
         return {"loss": max(abs(a - b) / b for a, b in zip(losses, continued)), "steps": steps,
                 "param": max((got[k] - expected[k]).abs().max().item() for k in expected)}
     finally:

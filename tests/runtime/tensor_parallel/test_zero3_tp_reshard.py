@@ -16,26 +16,10 @@ import torch
 
 from adam_state import adam_state, compare_adam_states
 from tests.distributed import run_on_ranks
-from tp_models import global_batches, tiny_model, train_dp_slices
+from tp_models import autotp_engine, full_weights, global_batches, train_dp_slices
 
 GLOBAL_BATCH, SAVE_AT, STEPS = 2, 2, 4
 TOL = 1e-6   # fp32: the same arithmetic in another order (tp reductions, partition sums)
-
-
-def _engine(tp: int, stage: int):
-    import zerospeed
-
-    dp = torch.distributed.get_world_size() // tp
-    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 1.0,
-              "train_batch_size": GLOBAL_BATCH // dp * torch.distributed.get_world_size(),
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-              "zero_optimization": zero, "tensor_parallel": {"autotp_size": tp}}
-    model = tiny_model("llama")
-    if tp > 1:
-        model = zerospeed.tp_model_init(model, tp, torch.float32)
-    engine, *_ = zerospeed.initialize(model=model, config=config)
-    return engine
 
 
 def _train(engine, steps) -> list[float]:
@@ -43,38 +27,26 @@ def _train(engine, steps) -> list[float]:
     return train_dp_slices(engine, [batches[step] for step in steps])[0]
 
 
-def _weights(engine) -> dict:
-    """The unsharded weights (gathered over dp at stage 3, then over tp)."""
-    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
-    from zerospeed.runtime.zero.partition_parameters import GatheredParameters
-
-    params = list(engine.module.parameters())
-    with GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
-        if not engine.tensor_parallel.enabled:
-            return {k: v.clone() for k, v in engine.module.state_dict().items()}
-        return consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
-
-
 def _resume(saved: tuple[int, int], loaded: tuple[int, int], root: str, load_optimizer_states: bool) -> dict:
     """(tp, stage) saved -> (tp, stage) loaded directly; dp is 2 // tp on each side."""
     from zerospeed.comm import groups
 
     try:
-        engine = _engine(*saved)
+        engine = autotp_engine(*saved, GLOBAL_BATCH)
         _train(engine, range(SAVE_AT))
         engine.save_checkpoint(root, tag="t")
-        at_save = _weights(engine)
+        at_save = full_weights(engine)
         continued = _train(engine, range(SAVE_AT, STEPS))
-        expected, expected_adam = _weights(engine), adam_state(engine)
+        expected, expected_adam = full_weights(engine), adam_state(engine)
         groups.reset()
         torch.manual_seed(99)   # another init: everything must come from the checkpoint
-        resumed = _engine(*loaded)
+        resumed = autotp_engine(*loaded, GLOBAL_BATCH)
         resumed.load_checkpoint(root, tag="t", load_optimizer_states=load_optimizer_states)
         steps = resumed.global_steps
         if not load_optimizer_states:   # the weights only: those the saving run had
-            got = _weights(resumed)
+            got = full_weights(resumed)
             return {"steps": steps, "param": max((got[k] - at_save[k]).abs().max().item() for k in at_save)}
-        losses, got = _train(resumed, range(SAVE_AT, STEPS)), _weights(resumed)
+        losses, got = _train(resumed, range(SAVE_AT, STEPS)), full_weights(resumed)
         return {"loss": max(abs(a - b) / b for a, b in zip(losses, continued)), "steps": steps,
                 "param": max((got[k] - expected[k]).abs().max().item() for k in expected),
                 **compare_adam_states(adam_state(resumed), expected_adam)}

@@ -49,3 +49,35 @@ def train_dp_slices(engine: Any, batches: list[torch.Tensor]) -> tuple[list[floa
         losses.append(mean.item() / dp)
         norms.append(engine.get_global_grad_norm())
     return losses, norms
+
+
+def autotp_engine(tp: int, stage: int, global_batch: int, **extra: Any) -> Any:
+    """The resharding tests' engine: `tiny_model("llama")` with AdamW and clipping on every rank, tp
+    `tp` (cut by `tp_model_init` first), dp the ranks left, ZeRO `stage`; `extra` ds_config sections.
+    `train_batch_size` counts every rank, as accelerate writes it for "auto" and DeepSpeed checks it
+    under AutoTP: the engine restates it for the dp size."""
+    import zerospeed
+
+    dp = torch.distributed.get_world_size() // tp
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    config = {"train_micro_batch_size_per_gpu": global_batch // dp, "gradient_clipping": 1.0,
+              "train_batch_size": global_batch // dp * torch.distributed.get_world_size(),
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": zero, "tensor_parallel": {"autotp_size": tp}, **extra}
+    model = tiny_model("llama")
+    if tp > 1:
+        model = zerospeed.tp_model_init(model, tp, torch.float32)
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    return engine
+
+
+def full_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The unsharded weights, copied (gathered over dp at stage 3, then joined over tp)."""
+    from zerospeed.runtime.tensor_parallel.state_dict import consolidated_state_dict
+    from zerospeed.runtime.zero.partition_parameters import GatheredParameters
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
+        if not engine.tensor_parallel.enabled:
+            return {k: v.clone() for k, v in engine.module.state_dict().items()}
+        return consolidated_state_dict(engine.module, engine.tensor_parallel.tp_group)
