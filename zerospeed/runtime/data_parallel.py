@@ -53,6 +53,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         self._init_base(init_optimizer, loss_scaler, precision,
                         grad_space or GradSpace.data_parallel(dp_group, False, self._lp_params, run_groups))
         self.dp_group = dp_group
+        self.run_groups = run_groups
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
         attach_stage0(init_optimizer, dp_group, run_groups)   # Muon's matrix owners; nothing for other optimizers
@@ -244,7 +245,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         current = with_loss_scaler(self.state_dict(), full)
         torch_state = current[C.OPTIMIZER_STATE_DICT]
         replicated = self.replicated_state(param_names)
-        full_names = moe_reshard.full_state_names(param_names)
+        full_names = moe_reshard.full_state_names(param_names, self.run_groups)
         state: dict[int, dict[str, Any]] = {}
         masters: list[torch.Tensor] = []
         for group, group_names, group_trainable in zip(torch_state["param_groups"], replicated.names,

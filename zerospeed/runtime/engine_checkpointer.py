@@ -144,7 +144,7 @@ class EngineCheckpointer:
             lr_scheduler=engine.lr_scheduler, param_names=engine.param_names,
             dp_rank=comm.get_rank(engine.dp_group), dp_world_size=engine.seq_dp_world_size,
             mp_rank=site.mp_rank, mp_world_size=engine.mp_world_size, tp_shards=site.tp_shards,
-            ds_config=engine._config._param_dict, num_experts=list(engine.num_experts),
+            ds_config=engine._config._param_dict, num_experts=list(engine.num_experts), run_groups=engine.run_groups,
             global_steps=engine.global_steps, global_samples=engine.global_samples,
             skipped_steps=engine.skipped_steps)
 
