@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from zerospeed.checkpoint.contract import OptimizerCheckpointing
+from zerospeed.comm.run_groups import RunGroups
 
 __all__ = ["CheckpointContext"]
 
@@ -38,6 +39,8 @@ class CheckpointContext:
     ds_config: dict[str, Any]
     num_experts: list[int]
     """Experts per MoE layer; empty without MoE layers."""
+    run_groups: RunGroups
+    """The run's process groups ([Note: run groups] in comm/run_groups.py): the MoE files' expert ranks."""
     global_steps: int
     global_samples: int
     skipped_steps: int

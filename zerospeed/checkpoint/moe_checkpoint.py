@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zerospeed.checkpoint.context import CheckpointContext
+from zerospeed.comm.run_groups import ExpertGroups
 
 __all__ = ["check_optimizer_topology", "check_stage_crossing", "expert_data_rank_lists", "expert_file_name", "expert_states_for_rank", "load_moe_optimizer", "loads_moe_optimizer_files", "merge_expert_states", "moe_modules",
            "optim_file_name", "save_moe_files", "stage0_optimizer_file_entry", "saved_expert_files", "split_expert_states", "strip_expert_states"]
@@ -91,16 +93,26 @@ def saved_expert_files(tag_dir: str) -> list[str]:
 
 # --- what the one save / load sequence calls (weight_files.py) ------------------------------
 
+def _ep_rank_of(ctx: CheckpointContext) -> Callable[[str], int]:
+    """Expert group name -> this rank's expert-parallel rank there, from the run's groups ([Note: run
+    groups] in comm/run_groups.py)."""
+    from zerospeed import comm
+
+    return lambda group_name: comm.get_rank(ctx.run_groups.expert(group_name).expert_parallel.group)
+
+
+def _largest_expert_groups(ctx: CheckpointContext) -> ExpertGroups:
+    """The run's expert groups of its largest ep size (DeepSpeed's `_get_max_expert_size_name`)."""
+    return max(ctx.run_groups.experts.values(), key=lambda expert: expert.ep_size)
+
+
 def strip_expert_states(ctx: CheckpointContext, model_states: dict[str, Any], module_key: str) -> None:
     """The model-states file keeps non-expert entries only, plus DeepSpeed's `num_experts` and our ep sizes."""
-    from zerospeed.utils import groups
-
-    model_states[module_key], _ = split_expert_states(ctx.module, model_states[module_key],
-                                                      groups._get_expert_parallel_rank)
+    model_states[module_key], _ = split_expert_states(ctx.module, model_states[module_key], _ep_rank_of(ctx))
     model_states["num_experts"] = ctx.num_experts
     model_states[EP_SIZES_KEY] = {moe.expert_group_name: moe.ep_size for _, moe in moe_modules(ctx.module)}
-    # every created size: the stage-0 `expp_rank` files follow the largest one's ranks
-    sizes = {int(name.rsplit("_", 1)[1]) for name in groups._get_expert_parallel_group_dict()}
+    # every size of the run: the stage-0 `expp_rank` files follow the largest one's ranks
+    sizes = {expert.ep_size for expert in ctx.run_groups.experts.values()}
     data_before = bool(ctx.ds_config.get("use_data_before_expert_parallelism", False))
     model_states[EXPERT_DATA_RANKS_KEY] = {size: expert_data_rank_lists(size, data_before)
                                            for size in sizes | set(model_states[EP_SIZES_KEY].values())}
@@ -120,34 +132,30 @@ def expert_data_rank_lists(ep_size: int, data_before_expert: bool) -> list[list[
 def save_moe_files(ctx: CheckpointContext, transaction: Any, optimizer_entry: Any) -> None:
     """Expert files (by expert-data-parallel rank 0 of each group) and, where the optimizer state is
     replicated (stage 0), the per-ep-rank optimizer file ([Note: MoE checkpoint layout])."""
-    from zerospeed.utils import groups
+    from zerospeed import comm
 
     for file_name, (group_name, entries) in _expert_files(ctx).items():
-        if groups._get_expert_data_parallel_rank(group_name) == 0:
+        if comm.get_rank(ctx.run_groups.expert(group_name).expert_data_parallel.group) == 0:
             transaction.write(file_name, entries)
-    largest = groups._get_max_expert_size_name()
-    if optimizer_entry is not None and groups._get_expert_data_parallel_rank(largest) == 0:
-        transaction.write(optim_file_name(groups._get_expert_parallel_rank(largest)), {"optimizer": optimizer_entry})
+    largest = _largest_expert_groups(ctx)
+    if optimizer_entry is not None and comm.get_rank(largest.expert_data_parallel.group) == 0:
+        transaction.write(optim_file_name(_ep_rank_of(ctx)(largest.name)), {"optimizer": optimizer_entry})
 
 
 def _expert_files(ctx: CheckpointContext) -> dict[str, tuple[str, dict[str, Any]]]:
     """Each expert's entries with full weights: where they are partitioned (ZeRO-3) each
     expert-data-parallel group gathers its experts first ([Note: MoE at stage 3]; every rank calls
     this, each in its group). The entries are copied while gathered."""
-    from zerospeed.utils import groups
-
     experts = [p for _, moe in moe_modules(ctx.module) for p in moe.deepspeed_moe.experts.parameters()]
     with ctx.optimizer.gathered_parameters(experts):
-        _, files = split_expert_states(ctx.module, ctx.module.state_dict(), groups._get_expert_parallel_rank)
+        _, files = split_expert_states(ctx.module, ctx.module.state_dict(), _ep_rank_of(ctx))
     return files
 
 
 def merge_expert_states(ctx: CheckpointContext, tag_dir: str, module_state: dict[str, Any],
                         load: Any) -> dict[str, Any]:
     """`module_state` (from the model-states file) plus this rank's experts from their files."""
-    from zerospeed.utils import groups
-
-    return {**module_state, **expert_states_for_rank(ctx.module, tag_dir, groups._get_expert_parallel_rank, load)}
+    return {**module_state, **expert_states_for_rank(ctx.module, tag_dir, _ep_rank_of(ctx), load)}
 
 
 def check_stage_crossing(ctx: CheckpointContext, saved_stage: int, tag_dir: str, model_state: dict[str, Any]) -> None:
@@ -200,9 +208,8 @@ def loads_moe_optimizer_files(ctx: CheckpointContext) -> bool:
 def load_moe_optimizer(ctx: CheckpointContext, tag_dir: str, load: Any) -> None:
     """Replicated state: this rank's optimizer state is its expert-parallel rank's file, not rank 0's."""
     from zerospeed.checkpoint.zero_checkpoint import stage0_wrapper_state
-    from zerospeed.utils import groups
 
-    path = os.path.join(tag_dir, optim_file_name(groups._get_expert_parallel_rank(groups._get_max_expert_size_name())))
+    path = os.path.join(tag_dir, optim_file_name(_ep_rank_of(ctx)(_largest_expert_groups(ctx).name)))
     # DeepSpeed's fp32 layout (the torch optimizer's state dict) or the unfused low-precision one
     state = stage0_wrapper_state(ctx, load(path)["optimizer"])
     ctx.optimizer.load_state_dict(state, load_optimizer_states=True)

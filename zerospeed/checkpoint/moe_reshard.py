@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.comm.run_groups import RunGroups
+
 __all__ = ["Zero3Naming", "full_state_names", "import_coords", "saved_naming"]
 
 _EXPERT_KEY = ".deepspeed_moe.experts.deepspeed_experts."
@@ -94,24 +96,27 @@ def saved_naming(model_state: dict[str, Any], names: list[str], world_size: int,
                        rename=lambda rank, name: _to_global(name, ep_rank_of[rank], per_layer))
 
 
-def full_state_names(param_names: dict[torch.nn.Parameter, str]) -> dict[str, str]:
+def full_state_names(param_names: dict[torch.nn.Parameter, str], run_groups: RunGroups | None) -> dict[str, str]:
     """This rank's parameter names -> their names in the full state: an expert parameter's local expert
     id replaced by its global one, every other name unchanged (the importers of every stage use it)."""
-    return {name: import_coords(param, name, 1, 0)[0] for param, name in param_names.items()}
+    return {name: import_coords(param, name, 1, 0, run_groups)[0] for param, name in param_names.items()}
 
 
-def import_coords(param: torch.nn.Parameter, name: str, world_size: int, dp_rank: int) -> tuple[str, int, int]:
+def import_coords(param: torch.nn.Parameter, name: str, world_size: int, dp_rank: int,
+                  run_groups: RunGroups | None) -> tuple[str, int, int]:
     """(name in the full state, ranks sharing the parameter, this rank's index among them): an expert
-    parameter (marked by `Experts`) is renamed by global id and partitioned over its expert-data-parallel group."""
+    parameter (marked by `Experts`) is renamed by global id and partitioned over its expert-data-parallel
+    group, both from the run's groups (`run_groups`, [Note: run groups] in comm/run_groups.py; a ZeRO
+    wrapper built directly, without them, passes None: the groups the last engine published)."""
     from zerospeed import comm
+    from zerospeed.comm import groups
     from zerospeed.moe.utils import is_moe_param
-    from zerospeed.utils import groups
 
     local_experts = getattr(param, "zs_num_local_experts", None)
     if not (is_moe_param(param) and _EXPERT_KEY in name and local_experts is not None):
         return name, world_size, dp_rank
-    group_name = param.group_name  # type: ignore[attr-defined]
-    group = groups._get_expert_data_parallel_group(group_name)
-    ep_rank = groups._get_expert_parallel_rank(group_name)
+    expert = groups.expert_groups(param.group_name, run_groups)  # type: ignore[attr-defined]
+    group = expert.expert_data_parallel.group
+    ep_rank = comm.get_rank(expert.expert_parallel.group)
     prefix = name.split(_EXPERT_KEY, 1)[0]
     return _to_global(name, ep_rank, {prefix: local_experts}), comm.get_world_size(group), comm.get_rank(group)

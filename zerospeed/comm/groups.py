@@ -10,8 +10,9 @@ belongs to under a name. The accessor names are DeepSpeed's (``deepspeed/utils/g
 
 This module holds the only mutable module state about groups in the package (STYLE.md rule 5).
 An engine builds its groups once as a frozen `RunGroups` ([Note: run groups] in run_groups.py) and
-publishes it here (`publish_run_groups`): the accessors then read that value's groups, and
-internal code without the value at hand takes it from `get_run_groups()`. A group whose rank list
+publishes it here (`publish_run_groups`): the accessors then read that value's groups. Code inside
+the package is handed the value instead; only DeepSpeed-shaped entry points that cannot receive it
+read the published one (ZeRO wrappers built directly, `deepspeed.checkpointing.configure`). A group whose rank list
 is the whole world is the world group itself: creating a copy would cost a communicator and change
 nothing.
 """

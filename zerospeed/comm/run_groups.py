@@ -6,7 +6,8 @@ on every rank, from the run's layout (`comm/layout.py`): the data-parallel group
 sequence-data-parallel group ZeRO reduces over, the sequence, tensor (AutoTP), pipe and
 pipe x tensor groups when those axes exist, and the expert-parallel and expert-data-parallel
 groups of every MoE ep size. The value is handed to the features that need groups (AutoTP setup,
-the MoE layers, the optimizer factory and its gradient space); nothing changes it afterwards.
+the MoE layers, the optimizer factory, which passes it to every wrapper and its gradient space, and
+the checkpoint context); nothing changes it afterwards.
 An axis the run does not use is None: its size is 1 and this rank's rank on it 0.
 
 DeepSpeed's accessors (`zerospeed.utils.groups`, `comm/groups.py`) stay the way user code and

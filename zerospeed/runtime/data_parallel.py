@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.base_optimizer import (DeepSpeedOptimizer, StepGradients, optimizer_state_tensors,
                                               tensor_bytes)
 from zerospeed.runtime.fp16.loss_scaler import LossScaler
@@ -41,22 +42,25 @@ def trainable_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramete
 
 
 class DataParallelOptimizer(DeepSpeedOptimizer):
-    """ZeRO stage 0 (plain data parallelism) for fp32, fp16 and bf16."""
+    """ZeRO stage 0 (plain data parallelism) for fp32, fp16 and bf16. `run_groups`: the run's groups
+    ([Note: run groups] in comm/run_groups.py), where expert parameters and AutoTP-split Muon
+    matrices find theirs; a model with neither needs none."""
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, precision: PrecisionSettings,
                  loss_scaler: LossScaler, dp_group: Any, reduce_bucket_size: int,
-                 grad_space: GradSpace | None = None) -> None:
+                 grad_space: GradSpace | None = None, run_groups: RunGroups | None = None) -> None:
         self._lp_params = trainable_params(init_optimizer)
         self._init_base(init_optimizer, loss_scaler, precision,
-                        grad_space or GradSpace.data_parallel(dp_group, False, self._lp_params))
+                        grad_space or GradSpace.data_parallel(dp_group, False, self._lp_params, run_groups))
         self.dp_group = dp_group
+        self.run_groups = run_groups
         self.reduce_bucket_size = int(reduce_bucket_size)
         self._masters = self._init_fp32_masters() if precision.low_precision else self._lp_params
-        attach_stage0(init_optimizer, dp_group)   # Muon's matrix owners; nothing for other optimizers
+        attach_stage0(init_optimizer, dp_group, run_groups)   # Muon's matrix owners; nothing for other optimizers
         # Read by every gradient hook call; fixed here, as the settings are (a frozen dataclass).
         self._separate_accumulation = precision.grad_accum_dtype != precision.param_dtype
         self._reducer = GroupedAllReduce(self._lp_params, reduce_bucket_size, dp_group, precision,
-                                         grads_in_params=not self._separate_accumulation)
+                                         grads_in_params=not self._separate_accumulation, run_groups=run_groups)
         self._window_open = False      # the buckets hold this accumulation window's gradients
         self._reduce_in_backward = False
         self._hook_handles = [param.register_post_accumulate_grad_hook(self._grad_hook(index))
@@ -241,7 +245,7 @@ class DataParallelOptimizer(DeepSpeedOptimizer):
         current = with_loss_scaler(self.state_dict(), full)
         torch_state = current[C.OPTIMIZER_STATE_DICT]
         replicated = self.replicated_state(param_names)
-        full_names = moe_reshard.full_state_names(param_names)
+        full_names = moe_reshard.full_state_names(param_names, self.run_groups)
         state: dict[int, dict[str, Any]] = {}
         masters: list[torch.Tensor] = []
         for group, group_names, group_trainable in zip(torch_state["param_groups"], replicated.names,

@@ -37,6 +37,7 @@ from zerospeed.checkpoint.scripts import checkpoint_scripts
 from zerospeed.checkpoint.universal.engine_load import load_universal_checkpoint
 from zerospeed.checkpoint.weight_files import WeightFiles
 from zerospeed.checkpoint.contract import NoOptimizer
+from zerospeed.comm.run_groups import RunGroups
 from zerospeed.runtime.tensor_parallel import checkpoint as tp_checkpoint
 from zerospeed.runtime.tensor_parallel.weight_files import ShardedWeightFiles
 from zerospeed.utils.logging import logger
@@ -53,6 +54,7 @@ class CheckpointHost(Protocol):
     param_names: dict[torch.nn.Parameter, str]
     dp_group: Any
     seq_dp_world_size: int
+    run_groups: RunGroups
     _config: Any
     global_steps: int
     global_samples: int
@@ -144,7 +146,7 @@ class EngineCheckpointer:
             lr_scheduler=engine.lr_scheduler, param_names=engine.param_names,
             dp_rank=comm.get_rank(engine.dp_group), dp_world_size=engine.seq_dp_world_size,
             mp_rank=site.mp_rank, mp_world_size=engine.mp_world_size, tp_shards=site.tp_shards,
-            ds_config=engine._config._param_dict, num_experts=list(engine.num_experts),
+            ds_config=engine._config._param_dict, num_experts=list(engine.num_experts), run_groups=engine.run_groups,
             global_steps=engine.global_steps, global_samples=engine.global_samples,
             skipped_steps=engine.skipped_steps)
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from zerospeed import comm
-from zerospeed.comm.run_groups import RunGroups
+from zerospeed.comm.run_groups import ExpertGroups, RunGroups
 from zerospeed.moe.experts import expert_group_name as _expert_group_of
 from zerospeed.runtime.overlapped_allreduce import OverlappedAllReduce
 from zerospeed.runtime.precision import PrecisionSettings
@@ -51,27 +51,34 @@ def reduction_plan(params: Sequence[torch.Tensor]) -> dict[str, list[int]]:
     return {key: plan[key] for key in sorted(plan)}
 
 
-def _reduction_group(key: str, dp_group: Any) -> Any:
-    if key == DENSE:
-        return dp_group
-    from zerospeed.comm import groups
+def _run_expert(key: str, run_groups: RunGroups | None) -> ExpertGroups:
+    """The groups of expert group `key`, from the run's groups the wrapper was handed ([Note: run
+    groups]); a wrapper holding expert parameters cannot work without them."""
+    if run_groups is None:
+        raise ValueError(f"parameters of expert group {key!r} need the run's groups (run_groups=): build the "
+                         "optimizer through zerospeed.initialize, which hands them over")
+    return run_groups.expert(key)
 
-    return groups.expert_groups(key).expert_data_parallel.group   # the run's ([Note: run groups])
+
+def _reduction_group(key: str, dp_group: Any, run_groups: RunGroups | None) -> Any:
+    return dp_group if key == DENSE else _run_expert(key, run_groups).expert_data_parallel.group
 
 
 class GroupedAllReduce:
     """Stage 0's overlapped all-reduce, one `OverlappedAllReduce` per reduction group
     ([Note: expert gradient reduction]); without experts it is exactly one over the dp group.
-    Parameter `index` is the one of `params`; each reducer numbers its own members."""
+    Parameter `index` is the one of `params`; each reducer numbers its own members. The expert
+    groups' reductions run over their expert-data-parallel groups in `run_groups`."""
 
     def __init__(self, params: Sequence[torch.Tensor], bucket_numel: int, dp_group: Any,
-                 settings: PrecisionSettings, grads_in_params: bool = True) -> None:
+                 settings: PrecisionSettings, grads_in_params: bool = True,
+                 run_groups: RunGroups | None = None) -> None:
         dp_world_size = comm.get_world_size(dp_group)
         self.members = list(reduction_plan(params).items())
         # One group: launched buckets finish as they go; several: all at the end ([Note:
         # overlapped all-reduce] in overlapped_allreduce.py).
         self.reducers = [OverlappedAllReduce([params[i] for i in indices], bucket_numel,
-                                             _reduction_group(key, dp_group), settings,
+                                             _reduction_group(key, dp_group, run_groups), settings,
                                              average_world_size=dp_world_size,
                                              bound_in_flight=len(self.members) == 1,
                                              grads_in_params=grads_in_params)
@@ -114,8 +121,5 @@ class GroupedAllReduce:
 def expert_parallel_groups(params: Sequence[torch.Tensor], run_groups: RunGroups | None = None) -> dict[str, Any]:
     """Expert group name -> its expert-parallel group, for every expert group among `params`: the
     ranks whose squares of that group's gradients add up to one copy of each expert ([Note: norm
-    with experts]; grad_space.py declares them). From `run_groups`, else the current run's."""
-    from zerospeed.comm import groups
-
-    find = run_groups.expert if run_groups is not None else groups.expert_groups
-    return {key: find(key).expert_parallel.group for key in reduction_plan(params) if key != DENSE}
+    with experts]; grad_space.py declares them), from the run's groups."""
+    return {key: _run_expert(key, run_groups).expert_parallel.group for key in reduction_plan(params) if key != DENSE}

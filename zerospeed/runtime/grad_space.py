@@ -75,8 +75,8 @@ class GradSpace:
     @classmethod
     def data_parallel(cls, dp_group: Any, partitioned: bool, params: Sequence[torch.Tensor] = (),
                       run_groups: RunGroups | None = None) -> GradSpace:
-        """Data (and expert) parallelism alone; the expert parts' groups from `run_groups` (the
-        factory), else the current run's (a wrapper built outside the factory: tests, tools)."""
+        """Data (and expert) parallelism alone. At stage 0 the expert parts' groups come from
+        `run_groups` (needed when `params` hold expert parameters); ZeRO 1-3 declare no expert part."""
         return cls(dp_group, partitioned, {} if partitioned else expert_parallel_groups(params, run_groups))
 
     def part_of(self, param: torch.Tensor) -> PartKey:

@@ -179,7 +179,8 @@ def build_optimizer_wrapper(basic: torch.optim.Optimizer, config: Any, precision
     if stage == 0:
         from zerospeed.runtime.data_parallel import DataParallelOptimizer
 
-        return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size, space)
+        return DataParallelOptimizer(basic, precision, loss_scaler, dp_group, zero_config.reduce_bucket_size, space,
+                                     run_groups=run_groups)
     from zerospeed.runtime.zero.offload.offload_states import build_offload_states
 
     offload = build_offload_states(basic, config, dp_group, module, precision.param_dtype)  # checks host RAM

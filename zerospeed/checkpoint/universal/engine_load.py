@@ -50,7 +50,7 @@ def load_universal_checkpoint(checkpointer: Any, load_dir: str, tag: Any, load_o
     model_state = reader.load(model_path)
     weight_files.load_universal_module(ctx, reader, model_state)   # buffers; a pipeline's layer files
     with_optimizer = load_optimizer_states and not load_module_only
-    names = full_state_names(ctx.param_names)
+    names = full_state_names(ctx.param_names, ctx.run_groups)
     # the folder holds every parameter whole; an AutoTP run cuts its tp pieces from it, then the
     # optimizer its own partition, as a resharded load does
     shapes = {names[name]: weight_files.universal_shape(name, param)

@@ -76,7 +76,7 @@ class DeepSpeedZeroOptimizer_Stage3(Stage3Checkpointing, DeepSpeedOptimizer):
         self._init_sub_groups()
         # Muon's matrix owners ([Note: owner-based Muon]); nothing for other optimizers
         attach_zero3(self.optimizer, self._group_ranges, self.fp16_groups,
-                     lambda param: self._slots[id(param)].offset, dp_group, self.world_size)
+                     lambda param: self._slots[id(param)].offset, dp_group, self.world_size, run_groups)
         self.placement.swap_out(self.lp_flat, self.fp32_flat, self.fp16_groups,
                                 lambda param: self._slots[id(param)].offset)
         self.gradients = Stage3GradientReducer(

@@ -133,7 +133,8 @@ class Stage3Checkpointing:
             scalars: dict[str, Any] = {}
             offset = 0
             for param in params:
-                name, world, rank = moe_reshard.import_coords(param, param_names[param], self.world_size, self.dp_rank)
+                name, world, rank = moe_reshard.import_coords(param, param_names[param], self.world_size, self.dp_rank,
+                                                               self.parameter_offload.run_groups)
                 start, real_numel = rank_span(param.zs_state.numel, world, rank)   # experts: [Note: MoE stage-3 reshard]
                 flat.narrow(0, offset, real_numel).copy_(require(full.fp32, name).reshape(-1).narrow(0, start, real_numel))
                 for key, value in full.moments.get(name, {}).items():

@@ -152,7 +152,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         self.zero_stage = 2 if partition_grads else 1
         self.groups = [self._init_group(index, group, param_names)
                        for index, group in enumerate(init_optimizer.param_groups)]
-        attach_zero12(init_optimizer, self.groups)   # Muon's matrix owners; nothing for other optimizers
+        attach_zero12(init_optimizer, self.groups, run_groups)   # Muon's matrix owners; nothing for other optimizers
         self._init_reduction()
         self._unreduced = False
 

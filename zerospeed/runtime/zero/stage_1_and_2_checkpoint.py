@@ -27,6 +27,7 @@ from zerospeed.version import __version__
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.full_state import FullOptimizerState
+    from zerospeed.comm.run_groups import RunGroups
 
 __all__ = ["Zero12Checkpointing"]
 
@@ -41,6 +42,7 @@ class Zero12Checkpointing:
     zero_stage: int
     dp_world_size: int
     groups: list[Any]                             # the wrapper's _FlatGroup per param group
+    run_groups: RunGroups | None                  # the run's groups ([Note: run groups])
     settings: Any                                 # its _ZeroSettings
     placement: GroupPlacement                     # offload/group_placement.py
     trainable_param_groups: Callable[[], list[list[torch.nn.Parameter]]]   # the wrapper's methods this mixin calls
@@ -65,7 +67,7 @@ class Zero12Checkpointing:
         ([Note: MoE param groups]), experts named by global id (moe_reshard.py)."""
         current = with_loss_scaler(self.state_dict(), full)
         base = current[C.BASE_OPTIMIZER_STATE]
-        full_names = moe_reshard.full_state_names(param_names)
+        full_names = moe_reshard.full_state_names(param_names, self.run_groups)
         state: dict[int, dict[str, Any]] = {}
         for g, params in enumerate(self.trainable_param_groups()):
             lean, moments, scalars = self._import_group(g, params, current, param_names, full_names, full)

@@ -152,13 +152,15 @@ def _split_by_rank(incoming: torch.Tensor, numels: list[int], tp_size: int) -> l
     return [list(incoming.narrow(0, r * per_rank, per_rank).split(numels)) for r in range(tp_size)]
 
 
-def matrix_step_for(params: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]) -> MatrixStep:
-    """The matrix step for `params` (whose layer shapes are `shapes`): tensor-parallel when AutoTP
-    split any of them ([Note: Muon with AutoTP]), else local."""
+def matrix_step_for(params: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], tp_group: Any) -> MatrixStep:
+    """The matrix step for `params` (whose layer shapes are `shapes`): tensor-parallel over
+    `tp_group` (the run's, which AutoTP split them over) when AutoTP split any of them ([Note: Muon
+    with AutoTP]), else local."""
     shards = [getattr(p, "ds_tp_shard", None) for p in params]
     head_dims = [getattr(p, "muon_head_dim", None) for p in params]   # [Note: per-head Muon]
     if all(shard is None for shard in shards):
         return LocalMatrices(shapes, head_dims)
-    from zerospeed.comm import groups
-
-    return TensorParallelMatrices(shapes, shards, groups.get_group(groups.MODEL_PARALLEL).group, head_dims)
+    if tp_group is None:
+        raise ValueError("Muon: parameters split by AutoTP need the run's tensor-parallel group; build the optimizer "
+                         "through zerospeed.initialize, which hands it over")
+    return TensorParallelMatrices(shapes, shards, tp_group, head_dims)
