@@ -139,3 +139,19 @@ def test_host_memory_plan_counts_the_whole_partition_buffers():
     assert whole_partition_numels(groups, [True, False], nvme, dp_world_size=2) == [2001]
     stage3 = DeepSpeedZeroConfig(stage=3, sub_group_size=1000)
     assert whole_partition_numels(groups, [True, False], stage3, dp_world_size=2) == [1500, 501]
+
+
+def test_whole_units_of_a_muon_optimizer():
+    """Muon's groups are whole-partition units with the momentum in their files, or kept in memory."""
+    from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from zerospeed.runtime.zero.offload.host_memory_check import whole_units_of
+
+    matrices = [torch.nn.Parameter(torch.zeros(30, 20)), torch.nn.Parameter(torch.zeros(10, 10))]
+    muon = MuonWithAuxAdam([{"params": matrices, "use_muon": True},
+                            {"params": [torch.nn.Parameter(torch.zeros(7))], "use_muon": False}])
+    zero = DeepSpeedZeroConfig(stage=2)
+    units = whole_units_of(muon, zero, 2, ())
+    assert (units.numels, units.num_swapped_states, units.num_kept_states) == ([350], 1, 0)
+    kept = whole_units_of(muon, zero, 2, ("momentum_buffer",))
+    assert (kept.num_swapped_states, kept.num_kept_states) == (0, 1)
+    assert whole_units_of(DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))]), zero, 2, ()) is None

@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 __all__ = ["HostMemoryPlan", "WholeUnits", "check_host_memory", "offloaded_numel", "plan_host_bytes",
-           "swap_unit_numel", "whole_partition_numels"]
+           "swap_unit_numel", "whole_partition_numels", "whole_units_of"]
 
 _GIB = 2**30
 _STATES_PER_OPTIMIZER = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
@@ -111,6 +111,21 @@ def whole_partition_numels(param_groups: list[dict[str, Any]], whole: list[bool]
     totals = [sum(int(getattr(p, "ds_numel", p.numel())) for p in group["params"] if p.requires_grad)
               for group in groups]
     return [-(-total // max(1, dp_world_size)) for total in totals if total]
+
+
+def whole_units_of(optimizer: Any, zero_config: Any, dp_world_size: int,
+                   kept_in_memory: tuple[str, ...]) -> WholeUnits | None:
+    """This rank's whole-partition units for `optimizer`'s param groups (None without any)."""
+    from zerospeed.runtime.zero.offload.unit_files import unit_layout
+
+    layouts = [unit_layout(optimizer, group, kept_in_memory) for group in optimizer.param_groups]
+    whole = [layout for layout in layouts if layout.whole]
+    if not whole:
+        return None
+    numels = whole_partition_numels(optimizer.param_groups, [layout.whole for layout in layouts], zero_config,
+                                    dp_world_size)
+    return WholeUnits(numels, max(len(layout.swapped) for layout in whole),
+                      max(len(layout.in_memory) for layout in whole))
 
 
 def offloaded_numel(param_groups: list[dict[str, Any]], zero_config: Any, dp_world_size: int) -> int | None:

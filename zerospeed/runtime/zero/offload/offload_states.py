@@ -398,6 +398,7 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
         offloaded_numel,
         plan_host_bytes,
         swap_unit_numel,
+        whole_units_of,
     )
 
     zero_config = config.zero_config
@@ -412,23 +413,8 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     kept = ("momentum_buffer",) if zero_config.save_muon_momentum_buffer_in_memory else ()
     check_host_memory(plan_host_bytes(numel, world_size, zero_config, num_states, element_bytes,
                                       local_ranks_from_env(), offloaded, unit_numel,
-                                      _whole_units(optimizer, zero_config, world_size, kept)))
+                                      whole_units_of(optimizer, zero_config, world_size, kept)))
     if block is None or not block.enabled:
         return None
     swap_name = f"rank{comm.get_rank():02d}_pid{os.getpid()}"
     return OffloadStates(optimizer, block, config.aio_config, unit_numel, swap_name, kept)
-
-
-def _whole_units(optimizer: torch.optim.Optimizer, zero_config: Any, world_size: int,
-                 kept: tuple[str, ...]) -> Any:
-    """For the host-memory plan: this rank's whole-partition units, None without any."""
-    from zerospeed.runtime.zero.offload.host_memory_check import WholeUnits, whole_partition_numels
-
-    layouts = [unit_layout(optimizer, group, kept) for group in optimizer.param_groups]
-    whole = [layout for layout in layouts if layout.whole]
-    if not whole:
-        return None
-    numels = whole_partition_numels(optimizer.param_groups, [layout.whole for layout in layouts], zero_config,
-                                    world_size)
-    return WholeUnits(numels, max(len(layout.swapped) for layout in whole),
-                      max(len(layout.in_memory) for layout in whole))
