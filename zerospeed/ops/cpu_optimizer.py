@@ -63,6 +63,15 @@ class CPUOptimizer(torch.optim.Optimizer):
                       state: dict[str, Any], copy_out: torch.Tensor | None) -> None:
         raise NotImplementedError
 
+    def swap_state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state tensors ZeRO-Offload's NVMe files hold after a param's master, in this order
+        ([Note: unit files] in runtime/zero/offload/unit_files.py)."""
+        return self.STATE_NAMES
+
+    def initial_scalar_state(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A param's non-tensor state before its first step, as `_init_state` creates it."""
+        return {"step": 0}
+
     # Shared machinery ---------------------------------------------------------------------------
 
     def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:

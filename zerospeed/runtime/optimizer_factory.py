@@ -107,7 +107,7 @@ def _build_mup(lowered: str, groups: list[Any], params: dict[str, Any]) -> torch
 def _build_muon(groups: list[Any], params: dict[str, Any], offload: bool) -> torch.optim.Optimizer:
     """DeepSpeed's Muon type (any case): `MuonWithAuxAdam`, never torch's 2-D-only `torch.optim.Muon`.
     Offloaded or not, the same class: its state lives where the offload holder puts its tensors
-    (`check_muon_supported` runs where the holder is built, for client optimizers too)."""
+    (host memory or NVMe files, [Note: unit files] in zero/offload/unit_files.py)."""
     from zerospeed.runtime.zero.muon.param_groups import build_muon_optimizer
 
     return build_muon_optimizer(params, groups)

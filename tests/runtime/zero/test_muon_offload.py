@@ -2,8 +2,8 @@
 
 The update equals single-process Muon on full matrices (muon_models.py's reference), the Muon
 momentum and the AdamW moments live in the offload holder's host units, each Muon partition is one
-unit although `sub_group_size` would cut it ([Note: whole-partition units]), a checkpoint resumes
-bit for bit, with or without offload on either side, and NVMe is refused by name.
+unit although `sub_group_size` would cut it ([Note: whole-partition units]), and a checkpoint
+resumes bit for bit, with or without offload on either side. NVMe: test_muon_nvme.py.
 """
 
 from __future__ import annotations
@@ -118,12 +118,3 @@ def test_offloaded_muon_resumes_bit_for_bit(stage: int, saved_with: dict | None,
         for name, value in theirs.items():
             assert torch.equal(ours[name], value), name
 
-
-def _nvme(path: str) -> None:
-    nvme = {"device": "nvme", "nvme_path": path}
-    zerospeed.initialize(model=make_model(), config=_config(2, nvme))
-
-
-def test_muon_with_nvme_offload_is_refused_by_name(tmp_path) -> None:
-    with pytest.raises(Exception, match="offload_optimizer.device 'nvme'"):
-        run_on_ranks(_nvme, 1, str(tmp_path))

@@ -160,16 +160,11 @@ def test_bad_blocks_are_refused_by_name(block: dict, match: str) -> None:
         build_basic_optimizer("muon", block, net.parameters())
 
 
-def test_nvme_offload_and_mislabelled_vectors_are_refused() -> None:
-    from zerospeed.runtime.zero.muon.attach import check_muon_supported
-
+def test_mislabelled_vectors_are_refused() -> None:
     net = _Net()
     tag_muon_params(net)
     optimizer = build_basic_optimizer("Muon", {}, net.parameters(), offload=True)
-    assert isinstance(optimizer, MuonWithAuxAdam)   # the same class offloaded (cpu) or not
-    check_muon_supported(optimizer, "cpu")
-    with pytest.raises(ValueError, match="offload_optimizer.device 'nvme'"):
-        check_muon_supported(optimizer, "nvme")
+    assert isinstance(optimizer, MuonWithAuxAdam)   # the same class offloaded or not
     net.norm.bias.use_muon = True
     with pytest.raises(ValueError, match="norm.bias"):
         tag_muon_params(net)

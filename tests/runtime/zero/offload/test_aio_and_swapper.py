@@ -108,6 +108,42 @@ def test_alternating_sweeps_reuse_the_cached_units(num_units, buffer_count, tmp_
     swapper.close()
 
 
+@pytest.mark.parametrize("num_units", [1, 3])
+def test_growing_slots_fit_the_largest_unit_with_at_most_one_buffer_per_unit(num_units, tmp_path):
+    """[Note: growing slots]: whole-partition units of sizes only known when created; a pool of 4
+    buffers holding fewer units allocates one per unit (a read-ahead included), each the largest
+    unit's size, and the values survive the resizes and the cycling."""
+    swapper = OptimizerSwapper(str(tmp_path / "grow"), 2, 1, 4, AsyncIOEngine(block_size=4096), False, grow=True)
+    sizes = [3000 * (uid + 1) + 7 for uid in range(num_units)]
+    units = {uid: [torch.full((n,), float(uid + 1)), torch.zeros(n)] for uid, n in enumerate(sizes)}
+    for uid, tensors in units.items():
+        swapper.create(uid, tensors)
+    assert swapper.slot_numel == aligned_bytes(4 * max(sizes)) // 4 and len(swapper.pool.buffers) == 1
+    for _ in range(2):
+        swapper.begin_pass()
+        for uid in units:
+            master, state = swapper.swap_in(uid)
+            for ahead in range(uid + 1, num_units):
+                if not swapper.prefetch(ahead):
+                    break
+            state.add_(master)
+            swapper.swap_out(uid)
+    swapper.flush()
+    assert len(swapper.pool.buffers) == num_units
+    assert swapper.staging_bytes == num_units * 2 * swapper.slot_numel * 4
+    for uid, (master, _) in units.items():
+        got_master, got_state = swapper.swap_in(uid)
+        assert torch.equal(got_master, master) and torch.equal(got_state, 2 * master)
+        swapper.swap_out(uid, dirty=False)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        swapper.create(9, [torch.zeros(10 * max(sizes)), torch.zeros(10 * max(sizes))])   # units are cached
+    fixed = OptimizerSwapper(str(tmp_path / "fixed"), 1, 100, 1, AsyncIOEngine(), False)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        fixed.create(0, [torch.zeros(5000)])
+    swapper.close()
+    fixed.close()
+
+
 def test_swap_files_removed_when_the_swapper_is_collected(tmp_path):
     import gc
 

@@ -119,3 +119,39 @@ def test_swap_unit_numel_is_a_whole_stage3_sub_group_up_to_twice_sub_group_size(
     zero = DeepSpeedZeroConfig(stage=3, sub_group_size=800)                   # [300, 300, 450] [50] | [1500]
     assert swap_unit_numel(groups, zero, dp_world_size=2) == 1500
     assert swap_unit_numel(groups, DeepSpeedZeroConfig(stage=2, sub_group_size=800), dp_world_size=2) == 800
+
+
+def test_host_memory_plan_counts_the_whole_partition_buffers():
+    """Muon's whole-partition units have their own NVMe staging buffers ([Note: unit files]): one
+    per unit up to buffer_count, each the largest unit times (1 + swapped states); states kept in
+    memory count for every unit."""
+    from zerospeed.runtime.zero.offload.host_memory_check import WholeUnits, whole_partition_numels
+
+    nvme = DeepSpeedZeroConfig(stage=2, sub_group_size=1000,
+                               offload_optimizer={"device": "nvme", "nvme_path": "/x", "buffer_count": 4})
+    elementwise = 4 * 4 * 3 * 1000
+    assert plan_host_bytes(10**6, 2, nvme, whole_units=WholeUnits([5000, 3000], 1)).needed_bytes == \
+        elementwise + 2 * 4 * 2 * 5000
+    assert plan_host_bytes(10**6, 2, nvme, whole_units=WholeUnits([5000, 3000], 0, 1)).needed_bytes == \
+        elementwise + 2 * 4 * 1 * 5000 + 4 * 8000
+    groups = [{"params": [torch.zeros(3000, requires_grad=True), torch.zeros(1001, requires_grad=True)]},
+              {"params": [torch.zeros(10, requires_grad=True)]}]
+    assert whole_partition_numels(groups, [True, False], nvme, dp_world_size=2) == [2001]
+    stage3 = DeepSpeedZeroConfig(stage=3, sub_group_size=1000)
+    assert whole_partition_numels(groups, [True, False], stage3, dp_world_size=2) == [1500, 501]
+
+
+def test_whole_units_of_a_muon_optimizer():
+    """Muon's groups are whole-partition units with the momentum in their files, or kept in memory."""
+    from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from zerospeed.runtime.zero.offload.host_memory_check import whole_units_of
+
+    matrices = [torch.nn.Parameter(torch.zeros(30, 20)), torch.nn.Parameter(torch.zeros(10, 10))]
+    muon = MuonWithAuxAdam([{"params": matrices, "use_muon": True},
+                            {"params": [torch.nn.Parameter(torch.zeros(7))], "use_muon": False}])
+    zero = DeepSpeedZeroConfig(stage=2)
+    units = whole_units_of(muon, zero, 2, ())
+    assert (units.numels, units.num_swapped_states, units.num_kept_states) == ([350], 1, 0)
+    kept = whole_units_of(muon, zero, 2, ("momentum_buffer",))
+    assert (kept.num_swapped_states, kept.num_kept_states) == (0, 1)
+    assert whole_units_of(DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))]), zero, 2, ()) is None

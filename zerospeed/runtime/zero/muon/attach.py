@@ -22,20 +22,7 @@ from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer, Repl
 from zerospeed.runtime.zero.muon.owner_plan import flat_partition_specs, per_param_partition_specs
 from zerospeed.runtime.zero.muon.tp_matrices import matrix_step_for
 
-__all__ = ["attach_stage0", "attach_zero12", "attach_zero3", "check_muon_supported"]
-
-
-def check_muon_supported(optimizer: torch.optim.Optimizer, offload_device: str | None) -> None:
-    """What the Muon step cannot do yet is refused here, by name, rather than stepped otherwise.
-
-    `offload_device`: `zero_optimization.offload_optimizer.device` when the block is on, else None.
-    With "cpu" each Muon partition is one swap unit in host memory ([Note: whole-partition units]
-    in offload/offload_states.py); NVMe's staging buffers hold `sub_group_size` elements, not a
-    whole partition, and only the CPU ops' fixed state layout can be swapped."""
-    if isinstance(optimizer, MuonWithAuxAdam) and offload_device == "nvme":
-        raise ValueError("the Muon optimizer with zero_optimization.offload_optimizer.device 'nvme' is not "
-                         "implemented by zerospeed (Muon's owner exchange steps each partition whole, which NVMe's "
-                         "sub_group_size staging buffers cannot hold): use offload_optimizer.device 'cpu', or none")
+__all__ = ["attach_stage0", "attach_zero12", "attach_zero3"]
 
 
 def attach_stage0(optimizer: torch.optim.Optimizer, dp_group: Any, run_groups: RunGroups | None) -> None:
@@ -87,7 +74,8 @@ def attach_zero3(optimizer: torch.optim.Optimizer, group_ranges: Sequence[range]
 
 def _stepped(opt_group: dict[str, Any], num_partitions: int) -> list[torch.Tensor]:
     """The tensors the optimizer steps for a Muon group's partitions, one each: the fp32 masters,
-    or with `offload_optimizer` their host units ([Note: whole-partition units])."""
+    or with `offload_optimizer` its units, one per partition, in host memory or NVMe files
+    ([Note: whole-partition units] in offload/offload_states.py)."""
     params = list(opt_group["params"])
     if len(params) != num_partitions:
         raise RuntimeError(f"Muon param group {opt_group.get('name')!r} holds {len(params)} tensors for "

@@ -58,6 +58,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         in offload/offload_states.py): a Muon group's orthogonalizer exchanges a whole partition."""
         return bool(group.get("use_muon", False))
 
+    def swap_state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state tensors of one of `group`'s params, each shaped like it, that ZeRO-Offload's NVMe
+        files hold after its master ([Note: unit files] in offload/unit_files.py)."""
+        return ("momentum_buffer",) if group["use_muon"] else ("exp_avg", "exp_avg_sq")
+
+    def initial_scalar_state(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The rest of such a param's state before its first step, beside its zero state tensors:
+        the step counts of the AdamW half, as `_adam_group_step` creates them."""
+        return {} if group["use_muon"] else {"step": torch.tensor(0.0)}
+
     @property
     def newton_schulz_calls(self) -> int:
         """Matrices this rank has orthogonalized so far (evidence Muon ran, not SGD)."""

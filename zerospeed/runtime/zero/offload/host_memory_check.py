@@ -10,7 +10,10 @@ estimate_zero3_model_states_mem_needs` counts the same things, coarser):
   host copy of the partition when an accelerator holds the real one;
 - optimizer offload `nvme`: only the staging buffers, `buffer_count` units times (1 + states),
   a unit being `sub_group_size` elements at stages 1 and 2 and the largest sub-group (at most
-  twice `sub_group_size`) at stage 3 (`swap_unit_numel`);
+  twice `sub_group_size`) at stage 3 (`swap_unit_numel`); plus, for param groups stepped whole
+  (Muon's, `whole_partition_numels`), their own buffers: one per such partition up to
+  `buffer_count`, each the largest of them times (1 + their swapped states), and any state
+  kept in memory (`save_muon_momentum_buffer_in_memory`) for all of them;
 - parameter offload `cpu` (stage 3): the parameter partition in its dtype.
 
 With `offload_optimizer.ratio < 1` (stage 3) the optimizer terms count only the offloaded
@@ -26,7 +29,8 @@ import dataclasses
 import os
 from typing import Any
 
-__all__ = ["HostMemoryPlan", "check_host_memory", "offloaded_numel", "plan_host_bytes", "swap_unit_numel"]
+__all__ = ["HostMemoryPlan", "WholeUnits", "check_host_memory", "offloaded_numel", "plan_host_bytes",
+           "swap_unit_numel", "whole_partition_numels", "whole_units_of"]
 
 _GIB = 2**30
 _STATES_PER_OPTIMIZER = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
@@ -42,6 +46,15 @@ class HostMemoryPlan:
         return sum(self.per_rank_bytes.values()) * self.local_ranks
 
 
+@dataclasses.dataclass(frozen=True)
+class WholeUnits:
+    """The whole-partition swap units of one rank ([Note: unit files] in unit_files.py)."""
+
+    numels: list[int]          # one per partition stepped whole
+    num_swapped_states: int    # state tensors in each unit's file, beside the master
+    num_kept_states: int = 0   # state tensors kept in host memory instead
+
+
 def _device_name(block: Any) -> str:
     device = getattr(block, "device", "none") if block is not None else "none"
     return str(getattr(device, "value", device))
@@ -49,7 +62,8 @@ def _device_name(block: Any) -> str:
 
 def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states: int = 2,
                     param_element_bytes: int = 4, local_ranks: int = 1,
-                    offloaded_numel: int | None = None, unit_numel: int | None = None) -> HostMemoryPlan:
+                    offloaded_numel: int | None = None, unit_numel: int | None = None,
+                    whole_units: WholeUnits | None = None) -> HostMemoryPlan:
     """Host bytes one rank allocates for the offloaded tensors of a model of `numel` elements;
     `offloaded_numel`: the elements of this rank's partition the optimizer offload holds (all of
     them when None); `unit_numel`: the largest swap unit (`swap_unit_numel`; `sub_group_size`
@@ -68,9 +82,50 @@ def plan_host_bytes(numel: int, dp_world_size: int, zero_config: Any, num_states
         unit = min(offloaded, max(1, int(zero_config.sub_group_size) if unit_numel is None else unit_numel))
         count = optimizer_block.buffer_count
         parts[f"nvme staging buffers ({count} x {unit} elements)"] = count * 4 * (1 + num_states) * unit
+        if whole_units is not None and whole_units.numels:
+            _add_whole_units(parts, whole_units, count)
     if _device_name(param_block) == "cpu" and int(zero_config.stage) == 3:
         parts["parameter partition"] = param_element_bytes * partition
     return HostMemoryPlan(parts, max(1, local_ranks))
+
+
+def _add_whole_units(parts: dict[str, int], whole: WholeUnits, buffer_count: int) -> None:
+    count, largest = min(buffer_count, len(whole.numels)), max(whole.numels)
+    parts[f"nvme staging buffers for whole partitions ({count} x {largest} elements)"] = \
+        count * 4 * (1 + whole.num_swapped_states) * largest
+    if whole.num_kept_states:
+        parts[f"states kept in memory ({whole.num_kept_states} x fp32)"] = \
+            4 * whole.num_kept_states * sum(whole.numels)
+
+
+def whole_partition_numels(param_groups: list[dict[str, Any]], whole: list[bool], zero_config: Any,
+                           dp_world_size: int) -> list[int]:
+    """This rank's partitions of the param groups flagged in `whole` ([Note: whole-partition
+    units] in offload_states.py): one per group at stages 1 and 2 (alignment padding left out),
+    one per sub-group at stage 3."""
+    from zerospeed.runtime.zero.sub_groups import sub_group_numels
+
+    groups = [group for group, flag in zip(param_groups, whole) if flag]
+    if int(zero_config.stage) == 3:
+        return sub_group_numels(_partition_numels(groups, dp_world_size), max(1, int(zero_config.sub_group_size)))
+    totals = [sum(int(getattr(p, "ds_numel", p.numel())) for p in group["params"] if p.requires_grad)
+              for group in groups]
+    return [-(-total // max(1, dp_world_size)) for total in totals if total]
+
+
+def whole_units_of(optimizer: Any, zero_config: Any, dp_world_size: int,
+                   kept_in_memory: tuple[str, ...]) -> WholeUnits | None:
+    """This rank's whole-partition units for `optimizer`'s param groups (None without any)."""
+    from zerospeed.runtime.zero.offload.unit_files import unit_layout
+
+    layouts = [unit_layout(optimizer, group, kept_in_memory) for group in optimizer.param_groups]
+    whole = [layout for layout in layouts if layout.whole]
+    if not whole:
+        return None
+    numels = whole_partition_numels(optimizer.param_groups, [layout.whole for layout in layouts], zero_config,
+                                    dp_world_size)
+    return WholeUnits(numels, max(len(layout.swapped) for layout in whole),
+                      max(len(layout.in_memory) for layout in whole))
 
 
 def offloaded_numel(param_groups: list[dict[str, Any]], zero_config: Any, dp_world_size: int) -> int | None:

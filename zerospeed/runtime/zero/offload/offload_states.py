@@ -16,12 +16,15 @@ the unscale/clip multiplier (`step`). Everything between is here:
   so with `needs_whole_partitions(group)` (`MuonWithAuxAdam`: its Muon groups, whose
   Newton-Schulz step exchanges a whole partition's matrices with their owner ranks,
   zero/muon/owner_plan.py); such a group's partitions are one unit each, whatever their size.
-  Only host memory holds them: NVMe's staging buffers are sized for `unit_numel`.
+  Under NVMe they have their own swapper and staging buffers, sized for them, so the elementwise
+  units' buffers stay `unit_numel` ([Note: unit files] in offload/unit_files.py). Every rank
+  holds the same units in the same order (equal partitions), so the owner exchanges, which are
+  collectives, line up across ranks in either sweep direction.
 - the step, per unit: gradient slice to host fp32 (a view when it is already there), multiply,
   base optimizer on that unit alone, then the updated master back into the partition: the fused
   copy-out of `DeepSpeedCPUAdam` for bf16/fp16 partitions (one pass), a copy for fp32. With an
   accelerator the copies to and from the device go through pinned buffers on a side stream.
-- nvme: units live in `OptimizerSwapper` files, read ahead and written behind around the step
+- nvme: units live in `OptimizerSwapper` files (`UnitFiles`), read ahead and written behind around the step
   ([Note: read-ahead / write-behind] in offload/optimizer_swapper.py); the step sweeps them
   in alternating directions so the staging buffers act as a cache ([Note: alternating sweep]).
   A new unit's file gets its master and zero states; with `fast_init` only the master is written
@@ -46,8 +49,8 @@ import torch
 from zerospeed.accelerator import get_accelerator
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.runtime.grad_utils import scale_
-from zerospeed.runtime.zero.offload.aio_engine import AsyncIOEngine
 from zerospeed.runtime.zero.offload.optimizer_swapper import OptimizerSwapper
+from zerospeed.runtime.zero.offload.unit_files import UnitFiles, UnitLayout, check_swappable, unit_layout
 
 __all__ = ["OffloadStates", "ResidentPartitions", "plan_units"]
 
@@ -69,6 +72,7 @@ class _Unit:
     numel: int
     master: torch.Tensor        # the base optimizer's param (storage swapped out under nvme)
     group: dict[str, Any]       # the base optimizer param group it belongs to
+    layout: UnitLayout          # whole or cut, and which states its nvme file holds
 
 
 def _is_state_tensor(value: Any) -> bool:
@@ -105,7 +109,8 @@ class ResidentPartitions:
 
 class OffloadStates:
     def __init__(self, optimizer: torch.optim.Optimizer, offload_config: Any, aio_config: Any,
-                 unit_numel: int, swap_name: str) -> None:
+                 unit_numel: int, swap_name: str, kept_in_memory: tuple[str, ...] = ()) -> None:
+        """`kept_in_memory`: state names nvme leaves out of the files ([Note: unit files])."""
         self.optimizer = optimizer
         self.aio_config = aio_config
         self.nvme = str(offload_config.device.value if hasattr(offload_config.device, "value")
@@ -120,21 +125,20 @@ class OffloadStates:
         self.units: list[_Unit] = []
         self._partition_units: list[list[int]] = []
         self._staging: dict[str, torch.Tensor] = {}
-        self.state_names: tuple[str, ...] = getattr(optimizer, "STATE_NAMES", ())
-        self.swapper: OptimizerSwapper | None = None
+        self.kept_in_memory = tuple(kept_in_memory)
+        self.files: UnitFiles | None = None
+        self._live: set[int] = set()     # units whose state a step or a checkpoint wrote (nvme)
         self.peak_resident_bytes = 0
         self._num_sweeps = 0
         if self.nvme:
-            self._init_swapper(offload_config, aio_config, swap_name)
+            check_swappable(optimizer)
+            swap_root = os.path.join(str(offload_config.nvme_path), "zerospeed_offload", swap_name)
+            self.files = UnitFiles(offload_config, aio_config, swap_root, self.unit_numel)
 
-    def _init_swapper(self, offload_config: Any, aio_config: Any, swap_name: str) -> None:
-        if not isinstance(self.optimizer, CPUOptimizer):
-            raise TypeError("offload_optimizer.device 'nvme' needs a zerospeed CPU optimizer (the optimizer "
-                             f"block's Adam/AdamW/Adagrad/Lion, or DeepSpeedCPUAdam); got {type(self.optimizer).__name__}")
-        aio = AsyncIOEngine(aio_config.block_size, aio_config.queue_depth, aio_config.intra_op_parallelism)
-        swap_dir = os.path.join(str(offload_config.nvme_path), "zerospeed_offload", swap_name, "optimizer")
-        self.swapper = OptimizerSwapper(swap_dir, 1 + len(self.state_names), self.unit_numel,
-                                        offload_config.buffer_count, aio, offload_config.pin_memory)
+    @property
+    def swapper(self) -> OptimizerSwapper | None:
+        """The elementwise units' swapper (nvme); whole-partition units have their own (`files`)."""
+        return self.files.elementwise if self.files is not None else None
 
     # --- registration ------------------------------------------------------------------------------
     def register(self, group: dict[str, Any], partition: torch.Tensor) -> list[torch.Tensor]:
@@ -145,60 +149,58 @@ class OffloadStates:
         uids = []
         # [Note: whole-partition units] an optimizer whose step on this group is not elementwise
         # (Muon's matrices) steps the partition as one unit; the cut would change its numbers.
-        whole = bool(getattr(self.optimizer, "needs_whole_partitions", lambda _: False)(group))
-        unit_numel = max(1, partition.numel()) if whole else self.unit_numel
+        layout = unit_layout(self.optimizer, group, self.kept_in_memory)
+        unit_numel = max(1, partition.numel()) if layout.whole else self.unit_numel
         for offset, numel in plan_units(partition.numel(), unit_numel):
             initial = partition.detach().narrow(0, offset, numel).to("cpu", _FP32)
-            unit = _Unit(len(self.units), index, offset, numel, self._host_master(initial), group)
+            unit = _Unit(len(self.units), index, offset, numel, self._host_master(initial, layout), group, layout)
             self.units.append(unit)
             uids.append(unit.uid)
         self._partition_units.append(uids)
         return [self.units[uid].master for uid in uids]
 
-    def _host_master(self, initial: torch.Tensor) -> torch.Tensor:
-        if self.swapper is None:
+    def _host_master(self, initial: torch.Tensor, layout: UnitLayout) -> torch.Tensor:
+        if self.files is None:
             master = torch.empty(initial.numel(), dtype=_FP32, pin_memory=self._pin)
             return master.copy_(initial)
-        if self.fast_init:
-            self.swapper.create_fast(len(self.units), initial)
-        else:
-            zeros = torch.zeros_like(initial)
-            self.swapper.create(len(self.units), [initial] + [zeros] * len(self.state_names))
+        self.files.create(len(self.units), layout, initial, self.fast_init)
         return _EMPTY.clone()
 
     # --- swap in / out (no-ops when resident) ------------------------------------------------------
     def _acquire(self, unit: _Unit) -> None:
-        if self.swapper is None:
+        if self.files is None:
             return
-        master, *states = self.swapper.swap_in(unit.uid)
+        master, *states = self.files.of(unit.uid).swap_in(unit.uid)
         unit.master.data = master
         state = self.optimizer.state[unit.master]
-        state.setdefault("step", 0)
-        state.update(zip(self.state_names, states))
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.swapper.resident_unit_bytes())
+        for key, value in unit.layout.fresh_scalars().items():
+            state.setdefault(key, value)
+        state.update(zip(unit.layout.swapped, states))
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.files.resident_unit_bytes())
 
     def _release(self, unit: _Unit, dirty: bool = True) -> None:
-        if self.swapper is None:
+        if self.files is None:
             return
         if self._side_stream is not None:
             self._side_stream.synchronize()   # device copies from this buffer are done before reuse
-        self.swapper.swap_out(unit.uid, dirty)
+        self.files.of(unit.uid).swap_out(unit.uid, dirty)
         unit.master.data = _EMPTY
         state = self.optimizer.state[unit.master]
-        state.update({name: _EMPTY for name in self.state_names})
+        state.update({name: _EMPTY for name in unit.layout.swapped})
 
     def _units_in_order(self, uids: list[int] | None = None) -> Iterator[_Unit]:
         """Each unit swapped in, prefetching the following ones while the caller works on it."""
         order = list(range(len(self.units))) if uids is None else uids
-        if self.swapper is not None:
-            self.swapper.begin_pass()
+        files = self.files
+        if files is not None:
+            files.begin_pass()
         ahead = 0
         for position, uid in enumerate(order):
             unit = self.units[uid]
             self._acquire(unit)          # first: a prefetch must never take the buffer this one needs
-            if self.swapper is not None:
+            if files is not None:
                 ahead = max(ahead, position + 1)
-                while ahead < len(order) and self.swapper.prefetch(order[ahead]):
+                while ahead < len(order) and files.of(order[ahead]).prefetch(order[ahead]):
                     ahead += 1
             yield unit
 
@@ -221,21 +223,22 @@ class OffloadStates:
                 else:
                     self.optimizer.step()
             unit.master.grad = None
+            self._live.add(unit.uid)
             self._to_partition(target, host_half if host_half is not None else unit.master)
             self.partition_access.commit(unit.partition, unit.offset, target)
             self._release(unit)
-        if self.swapper is not None:
-            self.swapper.flush()
+        self._flush()
 
     def _sweep_order(self) -> list[int]:
-        """[Note: alternating sweep] Units are independent (an elementwise optimizer on each), so
-        the order they are stepped in does not change a bit. Under nvme, every other step walks
-        them backwards: the units the last step left in the staging buffers are the first ones
-        this step needs, and are not read again ([Note: staging buffers as a write-back cache]
-        in offload/optimizer_swapper.py)."""
+        """[Note: alternating sweep] Units are independent (each stepped from its own state; a
+        whole-partition unit's owner exchange pairs it with the same unit on every peer, which
+        sweeps in the same order), so the order they are stepped in does not change a bit.
+        Under nvme, every other step walks them backwards: the units the last step left in the
+        staging buffers are the first ones this step needs, and are not read again ([Note:
+        staging buffers as a write-back cache] in offload/optimizer_swapper.py)."""
         self._num_sweeps += 1
         order = list(range(len(self.units)))
-        return order[::-1] if self.swapper is not None and self._num_sweeps % 2 == 0 else order
+        return order[::-1] if self.files is not None and self._num_sweeps % 2 == 0 else order
 
     def _host_grad(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.device.type == "cpu":
@@ -321,7 +324,7 @@ class OffloadStates:
                 else:
                     scalars.setdefault(key, value.clone() if torch.is_tensor(value) else value)
             self._release(unit, dirty=False)
-        if self.swapper is not None and scalars.get("step", 0) == 0:
+        if self.files is not None and not self._live.intersection(uids):
             return {}     # never stepped: the state is the zeros created with the files
         return {**scalars, **{key: torch.cat(values) for key, values in pieces.items()}}
 
@@ -345,6 +348,8 @@ class OffloadStates:
 
     def _load_unit_state(self, unit: _Unit, entry: dict[str, Any]) -> None:
         state = self.optimizer.state[unit.master]
+        if entry:
+            self._live.add(unit.uid)
         for key, value in entry.items():
             if _is_state_tensor(value):
                 piece = value.reshape(-1).narrow(0, unit.offset, unit.numel)
@@ -357,8 +362,8 @@ class OffloadStates:
                 state[key] = value.clone() if torch.is_tensor(value) else value
 
     def _flush(self) -> None:
-        if self.swapper is not None:
-            self.swapper.flush()
+        if self.files is not None:
+            self.files.flush()
 
     # --- accounting / cleanup ------------------------------------------------------------------------
     def resident_state_bytes(self) -> int:
@@ -374,12 +379,12 @@ class OffloadStates:
     def memory_breakdown(self) -> dict[str, int]:
         masters = sum(u.master.numel() * u.master.element_size() for u in self.units)
         return {"master_params": masters, "optimizer_states": self.resident_state_bytes() - masters,
-                "staging_buffers": self.swapper.staging_bytes if self.swapper is not None else 0}
+                "staging_buffers": self.files.staging_bytes if self.files is not None else 0}
 
     def close(self) -> None:
         """Wait for I/O and remove the swap files (also done at garbage collection and exit)."""
-        if self.swapper is not None:
-            self.swapper.close()
+        if self.files is not None:
+            self.files.close()
 
 
 def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group: Any, module: torch.nn.Module,
@@ -387,28 +392,29 @@ def build_offload_states(optimizer: torch.optim.Optimizer, config: Any, dp_group
     """The host-memory check (always, when anything is offloaded), then the holder when the
     optimizer is offloaded; None without optimizer offload."""
     from zerospeed import comm
-    from zerospeed.runtime.zero.muon.attach import check_muon_supported
     from zerospeed.runtime.zero.offload.host_memory_check import (
         check_host_memory,
         local_ranks_from_env,
         offloaded_numel,
         plan_host_bytes,
         swap_unit_numel,
+        whole_units_of,
     )
 
     zero_config = config.zero_config
     block = zero_config.offload_optimizer
-    if block is not None and block.enabled:
-        check_muon_supported(optimizer, str(getattr(block.device, "value", block.device)))
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
     num_states = len(getattr(optimizer, "STATE_NAMES", ("exp_avg", "exp_avg_sq")))
     element_bytes = torch.empty(0, dtype=param_dtype).element_size()
     world_size = comm.get_world_size(dp_group)
     offloaded = offloaded_numel(optimizer.param_groups, zero_config, world_size)
     unit_numel = swap_unit_numel(optimizer.param_groups, zero_config, world_size)
+    # DeepSpeed's key: the Muon momentum stays in host memory, out of the nvme files ([Note: unit files])
+    kept = ("momentum_buffer",) if zero_config.save_muon_momentum_buffer_in_memory else ()
     check_host_memory(plan_host_bytes(numel, world_size, zero_config, num_states, element_bytes,
-                                      local_ranks_from_env(), offloaded, unit_numel))
+                                      local_ranks_from_env(), offloaded, unit_numel,
+                                      whole_units_of(optimizer, zero_config, world_size, kept)))
     if block is None or not block.enabled:
         return None
     swap_name = f"rank{comm.get_rank():02d}_pid{os.getpid()}"
-    return OffloadStates(optimizer, block, config.aio_config, unit_numel, swap_name)
+    return OffloadStates(optimizer, block, config.aio_config, unit_numel, swap_name, kept)

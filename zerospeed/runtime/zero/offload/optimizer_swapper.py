@@ -28,6 +28,14 @@ the disk sees `units - buffer_count` reads and as many writes, instead of `units
 none at all when every unit fits in the buffers. RAM stays bounded by the buffers; the files hold
 every unit that is not cached (a cached dirty unit's file is stale until its write-back).
 
+[Note: growing slots]
+A swapper built with `grow=True` does not know its largest unit up front: whole-partition units
+(offload_states.py, [Note: whole-partition units]) are as large as the partition they step, which
+the ZeRO wrapper decides while registering. Every unit is created before any is swapped in, so
+`create` resizes the (then all free) buffers to fit each new unit, and a buffer is allocated only
+when first taken, an allocated free buffer always before a new one: a pool holding one unit
+allocates one buffer, not `buffer_count`.
+
 Files live in a private directory under `nvme_path`, removed by `close()`, when the swapper is
 garbage collected, or at interpreter exit (`weakref.finalize`).
 """
@@ -58,24 +66,58 @@ class StagingBuffers:
     """`count` flat fp32 buffers of `numel` elements (pinned when asked and CUDA is present), each
     starting at an `ALIGNMENT`-aligned address so unit transfers go through O_DIRECT. Only the
     swapper's (calling) thread takes and returns them: I/O threads never do, since a write-back
-    and the read into the same buffer are one chained task."""
+    and the read into the same buffer are one chained task. `lazy`: a buffer is allocated when it
+    is first taken, so a pool with fewer units than buffers allocates one per unit only."""
 
-    def __init__(self, count: int, numel: int, pin_memory: bool) -> None:
+    def __init__(self, count: int, numel: int, pin_memory: bool, lazy: bool = False) -> None:
         if count < 1:
             raise ValueError("offload_optimizer.buffer_count must be >= 1 for device 'nvme'")
-        pin = pin_memory and torch.cuda.is_available()
-        self.buffers = [aligned_empty(numel, _DTYPE, pin_memory=pin) for _ in range(count)]
+        self.numel = numel
+        self._pin = pin_memory and torch.cuda.is_available()
+        self._buffers: list[torch.Tensor | None] = [None if lazy else self._allocate() for _ in range(count)]
         self._free = list(range(count))
+
+    def _allocate(self) -> torch.Tensor:
+        return aligned_empty(self.numel, _DTYPE, pin_memory=self._pin)
+
+    @property
+    def count(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers allocated so far."""
+        return [b for b in self._buffers if b is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
+
+    def buffer(self, index: int) -> torch.Tensor:
+        buffer = self._buffers[index]
+        assert buffer is not None, "a staging buffer used before it was taken"
+        return buffer
 
     def try_acquire(self) -> int | None:
-        return self._free.pop(0) if self._free else None
+        if not self._free:
+            return None
+        # an allocated buffer first: a lazy pool allocates another only when all of those are busy
+        allocated = [i for i in self._free if self._buffers[i] is not None]
+        index = allocated[0] if allocated else self._free[0]
+        self._free.remove(index)
+        if self._buffers[index] is None:
+            self._buffers[index] = self._allocate()
+        return index
 
     def release(self, index: int) -> None:
         self._free.append(index)
+
+    def resize(self, numel: int) -> None:
+        """Every buffer `numel` elements from now on; only while all are free (their bytes are dropped)."""
+        if len(self._free) != self.count:
+            raise RuntimeError("staging buffers resized while in use")
+        self.numel = numel
+        self._buffers = [None] * self.count
 
 
 def _remove_dir(path: str) -> None:
@@ -84,13 +126,15 @@ def _remove_dir(path: str) -> None:
 
 class OptimizerSwapper:
     def __init__(self, swap_dir: str, num_tensors: int, max_unit_numel: int, buffer_count: int,
-                 aio: AsyncIOEngine, pin_memory: bool) -> None:
+                 aio: AsyncIOEngine, pin_memory: bool, grow: bool = False) -> None:
+        """`grow`: the slots fit the largest unit created so far ([Note: growing slots])."""
         os.makedirs(swap_dir, exist_ok=True)
         self.swap_dir = swap_dir
         self.num_tensors = num_tensors
         self.slot_numel = aligned_numel(max_unit_numel)
+        self.grow = grow
         self.aio = aio
-        self.pool = StagingBuffers(buffer_count, num_tensors * self.slot_numel, pin_memory)
+        self.pool = StagingBuffers(buffer_count, num_tensors * self.slot_numel, pin_memory, lazy=grow)
         self._numel: dict[int, int] = {}
         self._where: dict[int, int] = {}                 # uid -> buffer holding its bytes
         self._reads: dict[int, Future] = {}              # uid -> its read (in insertion order)
@@ -107,11 +151,11 @@ class OptimizerSwapper:
 
     def _span(self, buffer: int, numel: int) -> torch.Tensor:
         """The bytes of a unit of `numel`: `num_tensors` aligned slots, end to end."""
-        return self.pool.buffers[buffer].narrow(0, 0, self.num_tensors * aligned_numel(numel))
+        return self.pool.buffer(buffer).narrow(0, 0, self.num_tensors * aligned_numel(numel))
 
     def _views(self, buffer: int, numel: int) -> list[torch.Tensor]:
         stride = aligned_numel(numel)
-        flat = self.pool.buffers[buffer]
+        flat = self.pool.buffer(buffer)
         return [flat.narrow(0, t * stride, numel) for t in range(self.num_tensors)]
 
     # --- creating units --------------------------------------------------------------------------
@@ -119,6 +163,7 @@ class OptimizerSwapper:
         """Write a new unit (synchronously): `tensors` are its master and states, same numel."""
         self._forget(uid)
         numel = tensors[0].numel()
+        self._fit(numel)
         self._numel[uid] = numel
         buffer = self._claim_now()
         for view, tensor in zip(self._views(buffer, numel), tensors):
@@ -133,6 +178,7 @@ class OptimizerSwapper:
         the filesystem reads the hole back as zeros."""
         self._forget(uid)
         numel = master.numel()
+        self._fit(numel)
         self._numel[uid] = numel
         fd = os.open(self.path(uid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -141,8 +187,17 @@ class OptimizerSwapper:
             os.close(fd)
         buffer = self._claim_now()
         self._views(buffer, numel)[0].copy_(master.reshape(-1))
-        self.aio.write(self.path(uid), self.pool.buffers[buffer].narrow(0, 0, aligned_numel(numel)))
+        self.aio.write(self.path(uid), self.pool.buffer(buffer).narrow(0, 0, aligned_numel(numel)))
         self.pool.release(buffer)
+
+    def _fit(self, numel: int) -> None:
+        """A new unit must fit a slot; a growing swapper's slots grow to it ([Note: growing slots])."""
+        if aligned_numel(numel) <= self.slot_numel:
+            return
+        if not self.grow or self._where or self._held:
+            raise RuntimeError(f"a swap unit of {numel} elements does not fit slots of {self.slot_numel}")
+        self.slot_numel = aligned_numel(numel)
+        self.pool.resize(self.num_tensors * self.slot_numel)
 
     def _forget(self, uid: int) -> None:
         """Drop any copy of `uid` (it is being re-created) once its I/O has finished."""
@@ -179,7 +234,7 @@ class OptimizerSwapper:
         claimed = self._claim(this_pass_only=False)
         if claimed is None:
             if not self._reads:
-                raise RuntimeError(f"all {len(self.pool.buffers)} staging buffers are swapped in; swap_out first")
+                raise RuntimeError(f"all {self.pool.count} staging buffers are swapped in; swap_out first")
             uid = next(reversed(self._reads))            # the furthest read-ahead
             self._reads.pop(uid).result()
             return self._where.pop(uid)
@@ -258,6 +313,14 @@ class OptimizerSwapper:
     def resident_unit_bytes(self) -> int:
         """Bytes of unit tensors in the staging buffers right now (held, cached or being read)."""
         return sum(self.num_tensors * self._numel[uid] * _ELEMENT_BYTES for uid in self._where)
+
+    def unit_numel(self, uid: int) -> int:
+        return self._numel[uid]
+
+    def in_buffer(self, uid: int) -> bool:
+        """Whether the unit's bytes are in a staging buffer (held, cached or being read): if not,
+        its file holds its current state."""
+        return uid in self._where
 
     def file_bytes(self) -> int:
         return sum(os.path.getsize(self.path(uid)) for uid in self._numel if os.path.exists(self.path(uid)))
