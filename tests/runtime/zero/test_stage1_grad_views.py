@@ -141,6 +141,6 @@ def test_gradients_are_views_of_the_flat_buffer_and_match_torch(gas, variant):
 def test_a_gradient_cleared_or_replaced_mid_window_is_the_gradient(variant):
     expected = _reference(4, interfere=True)
     for params, _, released, accumulating, *_ in run_on_ranks(_train, 2, 4, VARIANTS[variant], True):
-        assert all(released) and accumulating == NUM_STEPS   # the replaced gradient, copied in once a step
         for name, want in expected.items():
             assert_close_relative(params[name], want, 1e-6, name)
+        assert all(released) and accumulating == NUM_STEPS   # the replaced gradient, copied in once a step
