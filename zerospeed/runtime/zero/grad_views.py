@@ -36,6 +36,8 @@ backward) and keeps its path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["FlatGradViews"]
@@ -44,7 +46,7 @@ __all__ = ["FlatGradViews"]
 class FlatGradViews:
     """One param group's trainable parameters and their `.grad` slots in its flat gradient buffer."""
 
-    def __init__(self, params: list[torch.Tensor], flat: torch.Tensor, offsets: list[int]) -> None:
+    def __init__(self, params: list[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]) -> None:
         self.params = params
         self.views = [flat.narrow(0, offset, param.numel()).view(param.shape) for param, offset in zip(params, offsets)]
         self.attached = False

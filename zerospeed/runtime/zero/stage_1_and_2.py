@@ -310,8 +310,8 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         """Stage 1 + overlap_comm: parameters whose gradient came only in earlier micro-batches
         did not fire a hook in this backward; reduce them now, in flat order, then wait."""
         for group_index, group in enumerate(self.groups):
-            for param_index, param in enumerate(group.params):
-                bucket_set, local = self._bucket_slot[group_index]
+            bucket_set, local = self._bucket_slot[group_index]
+            for param_index in range(len(group.params)):
                 if not self._bucket_sets[bucket_set].has_arrived(local, param_index):
                     self._add_to_bucket(group_index, param_index, self._accumulated(group, param_index))
         self._flush_buckets()
