@@ -7,7 +7,8 @@ hook runs, every trainable `.grad` is its slot of the group's flat buffer; after
 after `step()` every `.grad` is None; no copy-like op reads or writes the buffer while gradients
 accumulate, nor anywhere in a step where the reduction is in place; and the parameters equal
 single-process PyTorch's on the same global batch. A `.grad` the user clears or replaces mid-window
-is the gradient from there on, as in plain PyTorch (and DDP).
+is the gradient from there on, as in plain PyTorch (and DDP). bf16 parameters get views when they
+accumulate in bf16 and none when `grad_accum_dtype` is fp32.
 """
 
 import pytest
@@ -144,3 +145,26 @@ def test_a_gradient_cleared_or_replaced_mid_window_is_the_gradient(variant):
         for name, want in expected.items():
             assert_close_relative(params[name], want, 1e-6, name)
         assert all(released) and accumulating == NUM_STEPS   # the replaced gradient, copied in once a step
+
+
+def _grads_between_micro_batches(data_types):
+    """bf16 parameters, 2 micro-batches: whether the groups have views, and the `.grad`s' dtypes
+    (None where `.grad` is None) after the first micro-batch."""
+    rank = torch.distributed.get_rank()
+    config = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+              "optimizer": ds_optimizer_block("AdamW", LR, WEIGHT_DECAY), "zero_optimization": {"stage": 1},
+              "data_types": data_types}
+    engine, optimizer, _, _ = zerospeed.initialize(model=_model(), config=config)
+    batch = global_batches(1, GLOBAL_BATCH)[0]
+    engine.backward(engine(*(t.bfloat16() for t in micro_batch(batch, 0, rank, GLOBAL_BATCH // 4, 2))))
+    dtypes = [None if p.grad is None else p.grad.dtype for p in engine.module.parameters() if p.requires_grad]
+    return [g.grad_views is not None for g in optimizer.groups if g.params], dtypes
+
+
+def test_views_only_where_gradients_accumulate_in_the_model_dtype():
+    """bf16 accumulating in bf16: views; in fp32 (`grad_accum_dtype`): no `.grad` can be an fp32 view
+    of a bf16 parameter, so gradients move into the buffer and `.grad` stays None, as before."""
+    has_views, dtypes = run_on_ranks(_grads_between_micro_batches, 2, {})[0]
+    assert all(has_views) and dtypes == [torch.bfloat16] * len(dtypes)
+    has_views, dtypes = run_on_ranks(_grads_between_micro_batches, 2, {"grad_accum_dtype": "fp32"})[0]
+    assert not any(has_views) and dtypes == [None] * len(dtypes)
