@@ -32,6 +32,8 @@ HOT_PATH = [
     ("zerospeed.runtime.overlapped_allreduce", "OverlappedAllReduce", "mark_ready", "stage 0 hooks (count + launch)"),
     ("zerospeed.runtime.overlapped_allreduce", "OverlappedAllReduce", "_launch", "stage 0 bucket launch"),
     ("zerospeed.runtime.overlapped_allreduce", "OverlappedAllReduce", "finish", "stage 0 finish"),
+    ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_on_grad_ready",
+     "stage 1/2 gradient hooks (all of them)"),
     ("zerospeed.runtime.zero.grad_buckets", "GradientBuckets", "add_grad", "stage 1/2 hooks (bucket copy + launch)"),
     ("zerospeed.runtime.zero.grad_buckets", "GradReducer", "reduce", "stage 1 slab reductions (launch)"),
     ("zerospeed.runtime.grad_space", "GradSpace", "scaled_norm", "norm"),
@@ -41,6 +43,9 @@ HOT_PATH = [
     ("zerospeed.runtime.data_parallel", "DataParallelOptimizer", "zero_grad", "zero_grad"),
     ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "zero_grad", "zero_grad"),
     ("zerospeed.runtime.data_parallel", "DataParallelOptimizer", "prepare_backward", "prepare_backward"),
+    ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "prepare_backward", "prepare_backward"),
+    ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "backward_epilogue",
+     "stage 1/2 backward epilogue (boundary reduce)"),
 ]
 
 

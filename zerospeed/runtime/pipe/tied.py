@@ -5,8 +5,9 @@ data-parallel (and tensor-parallel) coordinate, the ranks holding a key form a t
 (DeepSpeed's `_index_tied_modules`, created in sorted key order on every rank).
 
 The copies must receive the same gradient, the sum of every copy's contribution. ZeRO wrappers
-take a parameter's gradient out of `.grad` as soon as backward produces it (into flat buffers or
-fp32 accumulators), so the sum cannot be formed in `.grad` as DeepSpeed does. Instead:
+keep a parameter's gradient in their own buffers (`.grad` a view of a flat buffer at stages 0-1,
+or taken out of `.grad` as soon as backward produces it), reduced by them, so the sum cannot be
+formed in `.grad` as DeepSpeed does. Instead:
 
 * while the micro-batches run, a tensor hook keeps this copy's own contribution (fp32);
 * at ReduceTiedGrads the contributions are summed over the tie group, and each copy receives the

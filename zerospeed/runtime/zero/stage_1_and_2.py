@@ -7,7 +7,9 @@ optimizer's group holds one tensor: this rank's fp32 master partition, so Adam's
 only for 1/W of the model.
 
 - Stage 1: gradients accumulate, across micro-batches, into a full flat gradient buffer in
-  `grad_accum_dtype` (a post-accumulate hook adds each `param.grad` and frees it); at the
+  `grad_accum_dtype`: each `param.grad` is a view of its slot, into which autograd accumulates
+  ([Note: stage-1 gradients as views] in grad_views.py; with an accumulation dtype other than the
+  model's, a post-accumulate hook adds each `param.grad` and frees it); at the
   boundary the buffer is reduced in slabs (grad_buckets.py) so this rank's partition of it
   holds the averaged gradients. With `overlap_comm` the boundary micro-batch's hooks instead
   send each accumulated gradient to its owners while backward runs (the engine announces that
@@ -56,6 +58,7 @@ from zerospeed.runtime.fp16.loss_scaler import LossScaler
 from zerospeed.runtime.grad_space import GradSpace, Piece
 from zerospeed.runtime.precision import PrecisionSettings
 from zerospeed.runtime.zero.grad_buckets import GradientBuckets, GradReducer, reduce_flat_gradients
+from zerospeed.runtime.zero.grad_views import FlatGradViews
 from zerospeed.runtime.zero.muon.attach import attach_zero12
 from zerospeed.runtime.zero.offload.group_placement import build_group_placement
 from zerospeed.runtime.zero.offload.offload_states import OffloadStates
@@ -91,6 +94,7 @@ class _FlatGroup:
     process_group: Any                  # partitioned and reduced over ([Note: MoE param groups])
     dp_rank: int                        # this rank's index in process_group
     world_size: int                     # partitions: process_group's size
+    grad_views: FlatGradViews | None = None   # stage 1: the `.grad`s as views of `grads`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +186,11 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         grads, partition_grad = self._init_grad_buffers(layout, device, dp_rank)
         names = [param_names.get(p, f"group{group_index}.param{i}") for i, p in enumerate(params)]
         slabs = plan_slabs(part_numel, world_size, self.settings.reduce_bucket_size)
-        return _FlatGroup(params, names, layout, slabs, lp_flat, lp_partition, master, grads,
-                          partition_grad, layout.padding_in_partition(dp_rank), process_group, dp_rank, world_size)
+        views = None   # [Note: stage-1 gradients as views]: only where the dtype allows them
+        if not self.partition_gradients and FlatGradViews.possible(params, grads):
+            views = FlatGradViews(params, grads, layout.param_offsets)
+        return _FlatGroup(params, names, layout, slabs, lp_flat, lp_partition, master, grads, partition_grad,
+                          layout.padding_in_partition(dp_rank), process_group, dp_rank, world_size, views)
 
     def _partition_group(self, group_index: int, group: dict[str, Any], params: list[torch.nn.Parameter]) -> Any:
         """[Note: MoE param groups] DeepSpeed's MoE param groups (`moe: True`, named after their expert
@@ -250,14 +257,25 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
     # --- gradients --------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         group_index, param_index = self._param_slot[param]
+        views = self.groups[group_index].grad_views
+        if views is None:
+            self._move_grad(group_index, param_index, param)
+            return
+        # [Note: stage-1 gradients as views]: autograd has accumulated into the flat buffer.
+        accumulated = views.adopt(param_index)
+        if self._reduce_in_backward:
+            self._add_to_bucket(group_index, param_index, accumulated)
+        self._unreduced = True
+
+    def _move_grad(self, group_index: int, param_index: int, param: torch.Tensor) -> None:
+        """Stage 2, and stage 1 accumulating in another dtype: the gradient leaves `.grad`."""
         grad = param.grad
         if grad is None:
             return
         if self.partition_gradients:
             self._add_to_bucket(group_index, param_index, grad)
         else:
-            group = self.groups[group_index]
-            accumulated = group.grads.narrow(0, group.layout.param_offsets[param_index], param.numel())
+            accumulated = self._accumulated(self.groups[group_index], param_index)
             accumulated.add_(grad.reshape(-1))
             if self._reduce_in_backward:
                 self._add_to_bucket(group_index, param_index, accumulated)
@@ -273,6 +291,9 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             buckets.flush()
 
     def prepare_backward(self, will_reduce: bool) -> None:
+        for group in self.groups:
+            if group.grad_views is not None:
+                group.grad_views.attach()   # once per window
         self._reduce_in_backward = will_reduce and self.settings.overlap_comm and not self.partition_gradients
 
     def backward_epilogue(self, is_boundary: bool) -> None:
@@ -289,21 +310,37 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         """Stage 1 + overlap_comm: parameters whose gradient came only in earlier micro-batches
         did not fire a hook in this backward; reduce them now, in flat order, then wait."""
         for group_index, group in enumerate(self.groups):
-            for param_index, param in enumerate(group.params):
-                bucket_set, local = self._bucket_slot[group_index]
+            bucket_set, local = self._bucket_slot[group_index]
+            for param_index in range(len(group.params)):
                 if not self._bucket_sets[bucket_set].has_arrived(local, param_index):
-                    offset = group.layout.param_offsets[param_index]
-                    self._add_to_bucket(group_index, param_index, group.grads.narrow(0, offset, param.numel()))
+                    self._add_to_bucket(group_index, param_index, self._accumulated(group, param_index))
         self._flush_buckets()
+        self._release_views()
         self._reduce_in_backward = False
         self._unreduced = False
 
+    @staticmethod
+    def _accumulated(group: _FlatGroup, param_index: int) -> torch.Tensor:
+        """Parameter `param_index`'s slot of the flat buffer, holding its gradient."""
+        if group.grad_views is not None:
+            return group.grad_views.adopt(param_index)
+        return group.grads.narrow(0, group.layout.param_offsets[param_index], group.params[param_index].numel())
+
     def _reduce_full_gradients(self) -> None:
         for index, group in enumerate(self.groups):
+            if group.grad_views is not None:
+                group.grad_views.adopt_all()   # a `.grad` replaced or cleared mid-window
             reducer = self._bucket_sets[self._bucket_slot[index][0]].reducer
             reduce_flat_gradients(group.grads, group.layout, group.slabs, reducer,
                                   self.precision.communication_dtype, group.partition_grad)
+        self._release_views()
         self._unreduced = False
+
+    def _release_views(self) -> None:
+        """The buffers now hold reduced partitions: no `.grad` shows them ([Note: stage-1 gradients as views])."""
+        for group in self.groups:
+            if group.grad_views is not None:
+                group.grad_views.release()
 
     # --- step ([Note: one step] in base_optimizer.py) -------------------------------------------
     def _step_gradients(self) -> StepGradients:
@@ -346,6 +383,7 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
             group.master.grad = None
             for param in group.params:
                 param.grad = None
+        self._release_views()   # the next window's first backward points the `.grad`s at the views again
         self._unreduced = False
 
     # --- introspection ----------------------------------------------------------------------
@@ -379,9 +417,10 @@ class DeepSpeedZeroOptimizer(Zero12Checkpointing, DeepSpeedOptimizer):
         state_offload.py); the stage-2 buckets' reused scratch ([Note: stage-2 scratch reuse] in
         grad_buckets.py) as the contiguous gradient buffer."""
         masters, optim_states = self.placement.held_state([g.master for g in self.groups])
+        views = [v for g in self.groups if g.grad_views is not None for v in g.grad_views.views]   # the `.grad`s
         return {OffloadStateTypeEnum.lp_params: [t for g in self.groups for t in (g.lp_flat, g.lp_partition, *g.params)],
                 OffloadStateTypeEnum.hp_params: masters,
-                OffloadStateTypeEnum.lp_grads: [t for g in self.groups for t in (g.grads, g.partition_grad)],
+                OffloadStateTypeEnum.lp_grads: [t for g in self.groups for t in (g.grads, g.partition_grad)] + views,
                 OffloadStateTypeEnum.optim_states: optim_states,
                 OffloadStateTypeEnum.contiguous_grad_buffer: [b for s in self._bucket_sets for b in s.scratch_buffers()]}
 
