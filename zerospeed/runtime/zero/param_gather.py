@@ -62,8 +62,9 @@ class GatherHandle:
             if work is not None:
                 work.wait()  # the only call made on a handle: gloo's have no usable future
         for param, full in zip(self.params, self._unpack()):
-            param.data = full.view(param.zs_state.shape)
+            # AVAILABLE first: the class it then takes sets `.data` without a `__torch_function__` call
             set_status(param, ZeroParamStatus.AVAILABLE)
+            param.data = full.view(param.zs_state.shape)
         self._unpack = None
         self._works = []
 
