@@ -148,8 +148,10 @@ def _gather_packed(params: list[ZeroParameter], device: torch.device, async_op: 
         size = state.partition_numel
         start = offset + state.dp_rank * size
         if len(params) == 1:   # a large parameter: zero only the other ranks' chunks
-            buffer[:start].zero_()
-            buffer[start + size:].zero_()
+            if start:
+                buffer.narrow(0, 0, start).zero_()
+            if start + size < buffer.numel():
+                buffer.narrow(0, start + size, buffer.numel() - start - size).zero_()
         _read_partition(state, buffer.narrow(0, start, size))
         slots.append(buffer.narrow(0, offset, state.numel))
         offset += state.padded_numel

@@ -113,6 +113,19 @@ class _BackwardHook(torch.autograd.Function):
         return (None, *grads)
 
 
+# `Function.apply` below its Python preamble: that binds default arguments for a `setup_context`
+# (`_BackwardHook` has none) and maps the arguments to unwrap dead functorch wrappers (a no-op on
+# every other tensor); ~100 calls a step made it a visible share of the hooks' cost (issue 33)
+_apply_function = super(torch.autograd.Function, _BackwardHook).apply
+
+
+def _backward_hook(on_backward: Callable[[], None], *tensors: torch.Tensor) -> Any:
+    """`_BackwardHook.apply(on_backward, *tensors)`."""
+    if torch._C._are_functorch_transforms_active():
+        return _BackwardHook.apply(on_backward, *tensors)
+    return _apply_function(on_backward, *tensors)
+
+
 class DeepSpeedZeRoOffload(OffloadClientHooks):
     """Partitions a module's parameters (if not done by zero.Init) and hooks it to the coordinator."""
 
@@ -268,7 +281,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 count += 1
                 if value.is_floating_point():
-                    items[index] = _BackwardHook.apply(hooks.on_post_backward, value)[0]
+                    items[index] = _backward_hook(hooks.on_post_backward, value)[0]
         self._grads_remaining[id(hooks.module)] = count
         return (tuple(items), {}) if count else None
 
@@ -350,12 +363,12 @@ class _ModuleHooks:
         self.offload.post_backward(self.module)
 
     def wrap_outputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        return _BackwardHook.apply(self.on_pre_backward, *tensors)
+        return _backward_hook(self.on_pre_backward, *tensors)
 
     def wrap_inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Routes the tensors that require grad of one call through one `_BackwardHook` each."""
         on_backward = self.on_post_backward
-        return tuple(_BackwardHook.apply(on_backward, t)[0] if t.requires_grad else t for t in tensors)
+        return tuple(_backward_hook(on_backward, t)[0] if t.requires_grad else t for t in tensors)
 
 
 _CONTAINERS = (list, tuple, dict)
