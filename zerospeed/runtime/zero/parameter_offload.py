@@ -346,7 +346,9 @@ class _ModuleHooks:
     def params(self) -> tuple[ZeroParameter, ...]:
         module = self.module
         external = module.__dict__.get("_zs_external_params")   # partition_parameters.external_parameters
-        if self.offload._is_unit(module):   # a subtree: not cached
+        leaf = module.__dict__.get("_z3_leaf")   # _is_unit, inline: four calls a module a step
+        if (getattr(type(module), "_z3_leaf", False) if leaf is None else leaf) or \
+                id(module) in self.offload._unit_ids:   # a subtree: not cached
             return _unique_zero_params([*module.parameters(), *(external.values() if external else ())])
         key = (*module._parameters.values(), None, *external.values()) if external else \
             (*module._parameters.values(), None)
