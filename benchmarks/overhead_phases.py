@@ -9,13 +9,17 @@ page faults (`os.times`, `getrusage`), and the main thread's CPU inside the runt
 functions (gradient hooks and bucket copies, the reductions' launch and finish, the norm, the
 optimizer update, the all-gather), counted by wrapping them with `thread_time` (CPU, not wall:
 a rank blocked on a collective costs nothing here). Figures are means over the measured steps.
+`--cprofile DIR` adds a per-function profile of rank 0's measured steps (cProfile on the
+main thread's CPU clock).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import os
+import pstats
 import resource
 import time
 from typing import Any
@@ -46,6 +50,35 @@ HOT_PATH = [
     ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "prepare_backward", "prepare_backward"),
     ("zerospeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "backward_epilogue",
      "stage 1/2 backward epilogue (boundary reduce)"),
+    # stage 3 (they nest: a hook's fetch includes the coordinator's gathers and their waits)
+    ("zerospeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_pre_forward",
+     "z3 forward pre-hooks (fetch + wrap inputs)"),
+    ("zerospeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_post_forward",
+     "z3 forward post-hooks (release + wrap outputs)"),
+    ("zerospeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "pre_backward", "z3 backward pre-hooks (fetch)"),
+    ("zerospeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "post_backward",
+     "z3 backward post-hooks (release)"),
+    ("zerospeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator", "fetch_sub_module",
+     "z3 coordinator fetch (in the hooks)"),
+    ("zerospeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator", "_prefetch",
+     "z3 prefetch walk + launch (in fetch)"),
+    ("zerospeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator", "_start_gather",
+     "z3 gather launch (in fetch / refresh)"),
+    ("zerospeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator", "_complete",
+     "z3 gather wait + unpack (in fetch)"),
+    ("zerospeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator",
+     "release_sub_module", "z3 coordinator release (in the hooks)"),
+    ("zerospeed.runtime.zero.stage3_gradients", "Stage3GradientReducer", "_on_grad_ready",
+     "z3 gradient hooks (slab copy + launch)"),
+    ("zerospeed.runtime.zero.stage3_gradients", "Stage3GradientReducer", "_store",
+     "z3 reduced slab: average + add (in finish)"),
+    ("zerospeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "backward_epilogue",
+     "z3 backward epilogue (order check + last slab + release all)"),
+    ("zerospeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_apply_update",
+     "update (z3: optimizer step + persistent re-gather)"),
+    ("zerospeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "refresh_persistent_parameters",
+     "z3 persistent re-gather (in update)"),
+    ("zerospeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "zero_grad", "zero_grad"),
 ]
 
 
@@ -68,7 +101,7 @@ def _count_cpu(totals: dict[str, float]) -> None:
         setattr(cls, method, timed)
 
 
-def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
+def _worker(rank: int, spec: RunSpec, cprofile_dir: str | None, init_file: str, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29500", ZS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -82,9 +115,12 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
         _count_cpu(totals)
     forward, backward, step = harness._build(spec, GPT(config), harness._CollectiveCounter(), lambda *_: None)
     sums: dict[str, float] = collections.defaultdict(float)
+    profiler = cProfile.Profile(time.thread_time) if cprofile_dir and rank == 0 else None
     for index, (x, y) in enumerate(harness._batches(spec, rank, config.block_size)):
         if index == spec.warmup:
             totals.clear()
+            if profiler is not None:   # on the measured steps: their figures include its cost
+                profiler.enable()
         cpu0, main0, os0 = time.process_time(), time.thread_time(), os.times()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = forward(x, y)
@@ -102,6 +138,9 @@ def _worker(rank: int, spec: RunSpec, init_file: str, results: Any) -> None:
                                ("faults: step", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults2)):
                 sums[key] += value
     num_steps = spec.steps - spec.warmup
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(cprofile_dir, f"{spec.label}.prof"))  # type: ignore[arg-type]
     figures = {k: v / num_steps for k, v in {**sums, **totals}.items()}
     harness.finish_rank(results, (spec.label, rank, figures))
 
@@ -112,15 +151,26 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["ddp", "zerospeed-z0", "zerospeed-z1", "zerospeed-z2"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cprofile", metavar="DIR", help="also profile rank 0's measured steps with cProfile "
+                        "(main-thread CPU clock): DIR/<system>.prof, and print its top functions by own time; "
+                        "the other figures then include the profiler's cost")
+    parser.add_argument("--top", type=int, default=30, help="functions printed per system with --cprofile")
     args = parser.parse_args()
+    if args.cprofile:
+        os.makedirs(args.cprofile, exist_ok=True)
     for text in args.systems:
         name, _, stage = text.partition("-z")
         spec = RunSpec(system=name, stage=int(stage or 0), model=args.model, steps=args.steps, warmup=args.warmup,
                        micro_batch=MICRO_BATCH.get(args.model, 4))
-        for label, rank, figures in sorted(harness.spawn_ranks(_worker, 2, spec, label=spec.label, num_results=2)):
+        for label, rank, figures in sorted(harness.spawn_ranks(_worker, 2, spec, args.cprofile, label=spec.label,
+                                                               num_results=2)):
             print(f"{label} rank {rank}: " + ", ".join(
                 f"{k} {v:.0f}" if k.startswith("faults") else f"{k} {v * 1e3:.0f} ms" for k, v in figures.items()),
                 flush=True)
+        if args.cprofile:
+            stats = pstats.Stats(os.path.join(args.cprofile, f"{spec.label}.prof"))
+            print(f"{spec.label} rank 0, cProfile over {spec.steps - spec.warmup} steps (main-thread CPU, s):")
+            stats.sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

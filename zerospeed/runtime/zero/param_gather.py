@@ -62,8 +62,9 @@ class GatherHandle:
             if work is not None:
                 work.wait()  # the only call made on a handle: gloo's have no usable future
         for param, full in zip(self.params, self._unpack()):
-            param.data = full.view(param.zs_state.shape)
+            # AVAILABLE first: the class it then takes sets `.data` without a `__torch_function__` call
             set_status(param, ZeroParamStatus.AVAILABLE)
+            param.data = full.view(param.zs_state.shape)
         self._unpack = None
         self._works = []
 
@@ -147,8 +148,10 @@ def _gather_packed(params: list[ZeroParameter], device: torch.device, async_op: 
         size = state.partition_numel
         start = offset + state.dp_rank * size
         if len(params) == 1:   # a large parameter: zero only the other ranks' chunks
-            buffer[:start].zero_()
-            buffer[start + size:].zero_()
+            if start:
+                buffer.narrow(0, 0, start).zero_()
+            if start + size < buffer.numel():
+                buffer.narrow(0, start + size, buffer.numel() - start - size).zero_()
         _read_partition(state, buffer.narrow(0, start, size))
         slots.append(buffer.narrow(0, offset, state.numel))
         offset += state.padded_numel

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Protocol, TypeGuard, cast
 
 import torch
@@ -74,6 +75,12 @@ _LEGAL_TRANSITIONS: dict[ZeroParamStatus, frozenset[ZeroParamStatus]] = {
     ZeroParamStatus.INFLIGHT: frozenset({ZeroParamStatus.AVAILABLE}),
     ZeroParamStatus.AVAILABLE: frozenset({ZeroParamStatus.NOT_AVAILABLE}),
 }
+
+
+# the table above by member value: an Enum member's hash is a Python call, and every gather and
+# release checks one transition per parameter
+_LEGAL_NEXT_VALUES: dict[int, frozenset[int]] = {
+    old._value_: frozenset(new._value_ for new in news) for old, news in _LEGAL_TRANSITIONS.items()}
 
 
 class IllegalTransitionError(RuntimeError):
@@ -124,11 +131,12 @@ class ZeroParamState:
     swapped: Any = None    # a SwappedPartition when the partition lives on NVMe (`partition` is then empty)
     collectives: ParamCollectives | None = None   # what all_gather() / partition() call (param_gather.py)
 
-    @property
+    # computed once: `numel` and `world_size` never change, and gathers and gradient hooks ask often
+    @functools.cached_property
     def partition_numel(self) -> int:
         return partition_numel(self.numel, self.world_size)
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         return self.partition_numel * self.world_size
 
@@ -253,11 +261,11 @@ def attach_state(param: torch.nn.Parameter, state: ZeroParamState) -> ZeroParame
 def set_status(param: ZeroParameter, status: ZeroParamStatus) -> None:
     """The one place a parameter's state changes; illegal transitions raise."""
     state = param.zs_state
-    if status not in _LEGAL_TRANSITIONS[state.status]:
+    if status._value_ not in _LEGAL_NEXT_VALUES[state.status._value_]:
         raise IllegalTransitionError(f"parameter {state.describe()}: illegal transition "
                                      f"{state.status.name} -> {status.name}")
     state.status = status
-    _write_ds_attributes(param)
+    _write_ds_attributes(param, status_only=True)
 
 
 def drop_data(param: ZeroParameter) -> None:
@@ -296,16 +304,19 @@ def set_strict(param: ZeroParameter) -> None:
     _write_ds_attributes(param)
 
 
-def _write_ds_attributes(param: ZeroParameter) -> None:
-    """[Note: ds_* attributes] — the only writer of the DeepSpeed-visible attributes (and class)."""
+def _write_ds_attributes(param: ZeroParameter, status_only: bool = False) -> None:
+    """[Note: ds_* attributes] — the only writer of the DeepSpeed-visible attributes (and class).
+    `status_only`: after a state transition, which changes the class and `ds_status` alone."""
     state = param.zs_state
     guarded = state.strict and state.status is not ZeroParamStatus.AVAILABLE
     param.__class__ = PartitionedParameter if guarded else ZeroParameter
+    param.ds_status = state.status
+    if status_only:
+        return
     param.ds_id = state.ds_id
     param.ds_shape = state.shape
     param.ds_numel = state.numel
     param.ds_tensor = state.partition
-    param.ds_status = state.status
     param.ds_persist = state.persist
     param.ds_param_type = ZeroParamType.PARTITIONED
     param.ds_numel_aligned = state.padded_numel

@@ -32,7 +32,7 @@ arrive (not deferred): the backward hook releases the block after its compiled b
 
 from __future__ import annotations
 
-import functools
+import operator
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -49,7 +49,6 @@ from zerospeed.runtime.zero.param_state import (
 from zerospeed.runtime.zero.partition_parameters import (
     compute_device,
     convert_to_zero_param,
-    external_parameters,
     gather_params,
     register_external_parameter,
     release_params,
@@ -114,6 +113,19 @@ class _BackwardHook(torch.autograd.Function):
         return (None, *grads)
 
 
+# `Function.apply` below its Python preamble: that binds default arguments for a `setup_context`
+# (`_BackwardHook` has none) and maps the arguments to unwrap dead functorch wrappers (a no-op on
+# every other tensor); ~100 calls a step made it a visible share of the hooks' cost (issue 33)
+_apply_function = super(torch.autograd.Function, _BackwardHook).apply
+
+
+def _backward_hook(on_backward: Callable[[], None], *tensors: torch.Tensor) -> Any:
+    """`_BackwardHook.apply(on_backward, *tensors)`."""
+    if torch._C._are_functorch_transforms_active():
+        return _BackwardHook.apply(on_backward, *tensors)
+    return _apply_function(on_backward, *tensors)
+
+
 class DeepSpeedZeRoOffload(OffloadClientHooks):
     """Partitions a module's parameters (if not done by zero.Init) and hooks it to the coordinator."""
 
@@ -137,7 +149,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._fwd_stack: list[torch.nn.Module] = []
         self._grads_remaining: dict[int, int] = {}
         self._handles: list[Any] = []
-        self._params_cache: dict[int, tuple[tuple[Any, ...], tuple[ZeroParameter, ...]]] = {}
+        self._hooks_of: dict[int, _ModuleHooks] = {}   # module id -> what its hooks fetch and call
         self._unit_ids: set[int] = set()   # [Note: compiled blocks]
         # DeepSpeed's leaf_module config, and the MoE blocks zerospeed finds ([Note: ZeRO-3 leaf modules])
         apply_zero_leaf_module_config(module, zero_config.leaf_module)
@@ -189,13 +201,13 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self.remove_hooks()
         self._module_ids.clear()
         self._module_names.clear()
-        self._params_cache.clear()
+        self._hooks_of.clear()
         self._install_hooks(self.module)
         self.coordinator._invalidate_trace()   # the quiet one: the module ids changed, not the order
 
     def _is_unit(self, module: torch.nn.Module) -> bool:
         """Fetched as a whole: a z3 leaf or a compiled block."""
-        return z3_leaf_module(module) or id(module) in self._unit_ids
+        return _marked_leaf(module) or id(module) in self._unit_ids
 
     def _install_hooks(self, root: torch.nn.Module) -> None:
         counter = 0
@@ -207,6 +219,7 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
             self._module_names[counter] = f"{names.get(id(module)) or '(root)'} ({type(module).__name__})"
             counter += 1
             module.__dict__["ds_id"] = self._module_ids[id(module)]
+            self._hooks_of[id(module)] = _ModuleHooks(self, module, self._module_ids[id(module)])
             if not isinstance(module._parameters, _ZeroParamDict) and id(module) not in self._unit_ids:
                 replaced = _ZeroParamDict(module._parameters)
                 replaced.offload = self
@@ -221,16 +234,8 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         """What the module's hooks fetch and release: its own parameters (a z3 leaf's, its whole
         subtree's) and its external ones. Four hooks per module per step ask, and collecting them
         through `module.parameters()` was the hooks' largest Python cost, so a module's answer is
-        kept while its own and external parameters are the same objects."""
-        external = external_parameters(module)
-        if self._is_unit(module):   # a subtree: not cached
-            return _unique_zero_params(list(module.parameters()) + external)
-        key = (*module._parameters.values(), None, *external)
-        cached = self._params_cache.get(id(module))
-        if cached is None or not _same_objects(cached[0], key):
-            cached = (key, _unique_zero_params(list(module.parameters(recurse=False)) + external))
-            self._params_cache[id(module)] = cached
-        return cached[1]
+        kept (in its `_ModuleHooks`) while its own and external parameters are the same objects."""
+        return self._hooks_of[id(module)].params()
 
     # --- hooks --------------------------------------------------------------------------------
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -238,40 +243,58 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
 
     def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         self._fwd_stack.append(module)
-        params = self._params_of(module)
+        hooks = self._hooks_of[id(module)]
+        params = hooks.params()
         if not params:
             return None
-        self.coordinator.fetch_sub_module(self._module_ids[id(module)], params, forward=True)
+        self.coordinator.fetch_sub_module(hooks.module_id, params, forward=True)
         if not torch.is_grad_enabled():
             return None
-        return self._wrap_inputs(module, args, kwargs)
+        return self._wrap_inputs(hooks, args, kwargs)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         self._fwd_stack.pop()
-        params = self._params_of(module)
+        hooks = self._hooks_of[id(module)]
+        params = hooks.params()
         if not params:
             return None
-        self.coordinator.release_sub_module(self._module_ids[id(module)], params)
+        self.coordinator.release_sub_module(hooks.module_id, params)
         if not torch.is_grad_enabled():
             return None
-        return _map_tensors(output, lambda ts: _BackwardHook.apply(lambda: self.pre_backward(module), *ts))
+        return _map_tensors(output, hooks.wrap_outputs)
 
-    def _wrap_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    def _wrap_inputs(self, hooks: _ModuleHooks, args: Any, kwargs: Any) -> Any:
+        if not kwargs and type(args) is tuple and not any(isinstance(a, _CONTAINERS) for a in args):
+            return self._wrap_flat_inputs(hooks, args)
         grad_tensors = [t for t in _tensors(args) + _tensors(kwargs) if t.requires_grad]
-        self._grads_remaining[id(module)] = len(grad_tensors)
+        self._grads_remaining[id(hooks.module)] = len(grad_tensors)
         if not grad_tensors:
             return None
-        wrap = _PostBackwardWrapper(self, module)
-        return _map_tensors(args, wrap), _map_tensors(kwargs, wrap)
+        return _map_tensors(args, hooks.wrap_inputs), _map_tensors(kwargs, hooks.wrap_inputs)
+
+    def _wrap_flat_inputs(self, hooks: _ModuleHooks, args: tuple[Any, ...]) -> Any:
+        """`_wrap_inputs` for the usual call, positional tensors and scalars: one pass, the same result
+        (nested inputs are counted but not wrapped, by the general path above)."""
+        count = 0
+        items = list(args)
+        for index, value in enumerate(items):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                count += 1
+                if value.is_floating_point():
+                    items[index] = _backward_hook(hooks.on_post_backward, value)[0]
+        self._grads_remaining[id(hooks.module)] = count
+        return (tuple(items), {}) if count else None
 
     def pre_backward(self, module: torch.nn.Module) -> None:
-        self.coordinator.fetch_sub_module(self._module_ids[id(module)], self._params_of(module), forward=False)
+        hooks = self._hooks_of[id(module)]
+        self.coordinator.fetch_sub_module(hooks.module_id, hooks.params(), forward=False)
 
     def post_backward(self, module: torch.nn.Module) -> None:
         remaining = self._grads_remaining.get(id(module), 0) - 1
         self._grads_remaining[id(module)] = remaining
         if remaining == 0:
-            self.coordinator.release_sub_module(self._module_ids[id(module)], self._params_of(module))
+            hooks = self._hooks_of[id(module)]
+            self.coordinator.release_sub_module(hooks.module_id, hooks.params())
 
     def on_read_outside_module(self, param: ZeroParameter) -> None:
         if not self._fwd_stack:
@@ -308,23 +331,61 @@ class DeepSpeedZeRoOffload(OffloadClientHooks):
         self._handles.clear()
 
 
+class _ModuleHooks:
+    """One hooked module: its id, what its hooks fetch and release (kept while its own and external
+    parameters are the same objects) and the callbacks its autograd hooks call, made once at install
+    instead of a closure per call."""
+
+    __slots__ = ("offload", "module", "module_id", "_key", "_params")
+
+    def __init__(self, offload: DeepSpeedZeRoOffload, module: torch.nn.Module, module_id: int) -> None:
+        self.offload, self.module, self.module_id = offload, module, module_id
+        self._key: tuple[Any, ...] | None = None
+        self._params: tuple[ZeroParameter, ...] = ()
+
+    def params(self) -> tuple[ZeroParameter, ...]:
+        module = self.module
+        external = module.__dict__.get("_zs_external_params")   # partition_parameters.external_parameters
+        leaf = module.__dict__.get("_z3_leaf")   # _is_unit, inline: four calls a module a step
+        if (getattr(type(module), "_z3_leaf", False) if leaf is None else leaf) or \
+                id(module) in self.offload._unit_ids:   # a subtree: not cached
+            return _unique_zero_params([*module.parameters(), *(external.values() if external else ())])
+        key = (*module._parameters.values(), None, *external.values()) if external else \
+            (*module._parameters.values(), None)
+        cached = self._key
+        if cached is None or len(cached) != len(key) or not all(map(operator.is_, cached, key)):
+            own = module._parameters.values()
+            self._key, self._params = key, _unique_zero_params([*own, *(external.values() if external else ())])
+        return self._params
+
+    def on_pre_backward(self) -> None:
+        self.offload.pre_backward(self.module)
+
+    def on_post_backward(self) -> None:
+        self.offload.post_backward(self.module)
+
+    def wrap_outputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        return _backward_hook(self.on_pre_backward, *tensors)
+
+    def wrap_inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Routes the tensors that require grad of one call through one `_BackwardHook` each."""
+        on_backward = self.on_post_backward
+        return tuple(_backward_hook(on_backward, t)[0] if t.requires_grad else t for t in tensors)
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def _marked_leaf(module: torch.nn.Module) -> bool:
+    """`z3_leaf_module(module)` without nn.Module's `__getattr__`, a Python call that raises for every
+    unmarked module, several times a step: the flag is in the instance dict (`set_z3_leaf_module`)
+    or, set by hand, on the class."""
+    flag = module.__dict__.get("_z3_leaf")
+    return bool(getattr(type(module), "_z3_leaf", False) if flag is None else flag)
+
+
 def _unique_zero_params(params: list[Any]) -> tuple[ZeroParameter, ...]:
     return tuple({id(p): p for p in params if is_zero_param(p)}.values())
-
-
-def _same_objects(first: tuple[Any, ...], second: tuple[Any, ...]) -> bool:
-    return len(first) == len(second) and all(a is b for a, b in zip(first, second))
-
-
-class _PostBackwardWrapper:
-    """Routes the tensors that require grad of one call through one `_BackwardHook` each."""
-
-    def __init__(self, offload: DeepSpeedZeRoOffload, module: torch.nn.Module) -> None:
-        self.offload, self.module = offload, module
-
-    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        on_backward = functools.partial(self.offload.post_backward, self.module)
-        return tuple(_BackwardHook.apply(on_backward, t)[0] if t.requires_grad else t for t in tensors)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

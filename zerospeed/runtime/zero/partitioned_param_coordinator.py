@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from zerospeed.runtime.zero.gather_order_check import GatherOrderCheck
-from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamStatus
+from zerospeed.runtime.zero.param_state import ZeroParameter, ZeroParamState, ZeroParamStatus
 from zerospeed.runtime.zero.partition_parameters import GatherHandle, gather_params, release_params
 from zerospeed.utils.logging import logger
 
@@ -81,6 +81,25 @@ class ReuseWindow:
         return next_use < len(found) and found[next_use] < end
 
 
+class TraceWalk:
+    """The trace's parameters end to end, each with its state, and where each entry's begin: what
+    `_prefetch` walks at every fetch, built once per trace instead of a loop over entries and
+    parameters that looked up every parameter's state each time."""
+
+    def __init__(self, trace: list[TraceEntry]) -> None:
+        self.trace = trace
+        self.pairs: list[tuple[ZeroParamState, ZeroParameter]] = []
+        self.entry_start: list[int] = []
+        for entry in trace:
+            self.entry_start.append(len(self.pairs))
+            self.pairs.extend((param.zs_state, param) for param in entry.params)
+        self.entry_start.append(len(self.pairs))
+
+    def after(self, step_id: int) -> list[tuple[ZeroParamState, ZeroParameter]]:
+        """The parameters of the entries after `step_id`, in trace order (repeats included)."""
+        return self.pairs[self.entry_start[min(step_id + 1, len(self.trace))]:]
+
+
 class PartitionedParameterCoordinator:
     def __init__(self, prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int,
                  all_params: list[ZeroParameter]) -> None:
@@ -102,6 +121,7 @@ class PartitionedParameterCoordinator:
         self.order_check: GatherOrderCheck | None = None   # set by DeepSpeedZeRoOffload
         self._fetching = (-1, True)     # (module id, forward) of the fetch in progress, for the log
         self._window: ReuseWindow | None = None
+        self._walk: TraceWalk | None = None
 
     # --- trace --------------------------------------------------------------------------------
     def is_complete_trace(self) -> bool:
@@ -121,12 +141,12 @@ class PartitionedParameterCoordinator:
         if self.order_check is not None:
             self.order_check.reset()
 
-    def _check_trace(self, entry: TraceEntry) -> None:
+    def _check_trace(self, module_id: int, forward: bool, params: tuple[ZeroParameter, ...]) -> None:
         if self.trace_mode is ZeRoTraceMode.RECORD:
-            self._recording.append(entry)
+            self._recording.append(TraceEntry(module_id, forward, params))
         elif self.trace_mode is ZeRoTraceMode.COMPLETE:
             expected = self.trace[self.step_id] if self.step_id < len(self.trace) else None
-            if expected is None or (expected.module_id, expected.forward) != (entry.module_id, entry.forward):
+            if expected is None or expected.module_id != module_id or expected.forward != forward:
                 self.invalidate_trace()
 
     def is_invalid_trace(self) -> bool:
@@ -150,16 +170,18 @@ class PartitionedParameterCoordinator:
 
     # --- fetch --------------------------------------------------------------------------------
     def fetch_sub_module(self, module_id: int, params: tuple[ZeroParameter, ...], forward: bool) -> None:
-        self._check_trace(TraceEntry(module_id, forward, params))
+        self._check_trace(module_id, forward, params)
         self._fetching = (module_id, forward)
         self._start_gather([p for p in params if p.zs_state.status is ZeroParamStatus.NOT_AVAILABLE])
-        for param in params:
-            handle = self._inflight.get(param.zs_state.ds_id)
-            if handle is not None:
-                self._complete(handle)
-        for param in params:
-            param.zs_state.active_sub_modules.add(module_id)
-        if self.is_complete_trace():
+        inflight = self._inflight
+        for param in params:   # waiting for one parameter's gather touches no parameter's active set
+            state = param.zs_state
+            if inflight:
+                handle = inflight.get(state.ds_id)
+                if handle is not None:
+                    self._complete(handle)
+            state.active_sub_modules.add(module_id)
+        if self.trace_mode is ZeRoTraceMode.COMPLETE:
             self._prefetch()
             if self._swapping:
                 self._read_ahead()
@@ -204,16 +226,15 @@ class PartitionedParameterCoordinator:
         room = self.max_live_parameters - self.n_available_numel
         chosen: dict[int, ZeroParameter] = {}
         chosen_numel = 0
-        for entry in self.trace[self.step_id + 1:]:
-            for param in entry.params:
-                state = param.zs_state
-                if state.status is not ZeroParamStatus.NOT_AVAILABLE or state.ds_id in chosen:
-                    continue
-                if chosen_numel >= self.prefetch_bucket_size or chosen_numel + state.numel > room:
-                    self._start_gather(list(chosen.values()), async_op=True)
-                    return
-                chosen[state.ds_id] = param
-                chosen_numel += state.numel
+        not_available = ZeroParamStatus.NOT_AVAILABLE
+        for state, param in self._trace_walk().after(self.step_id):
+            if state.status is not not_available or state.ds_id in chosen:
+                continue
+            if chosen_numel >= self.prefetch_bucket_size or chosen_numel + state.numel > room:
+                self._start_gather(list(chosen.values()), async_op=True)
+                return
+            chosen[state.ds_id] = param
+            chosen_numel += state.numel
         self._start_gather(list(chosen.values()), async_op=True)
 
     def _read_ahead(self) -> None:
@@ -237,6 +258,11 @@ class PartitionedParameterCoordinator:
             window = self._reuse_window()
             candidates = [p for p in candidates if not window.reused_soon(p.zs_state.ds_id, self.step_id)]
         self._release(candidates)
+
+    def _trace_walk(self) -> TraceWalk:
+        if self._walk is None or self._walk.trace is not self.trace:
+            self._walk = TraceWalk(self.trace)
+        return self._walk
 
     def _reuse_window(self) -> ReuseWindow:
         if self._window is None or self._window.trace is not self.trace:

@@ -81,8 +81,14 @@ class Slab:
         """Copy columns from `column` on of `param`'s W chunks of `flat_grad` (zero padding past a
         chunk's real end), as many as fit; returns how many."""
         world_size = self.rows.shape[0]
-        numel = min(param.partition_numel() - column, self.free_columns)
+        size = param.partition_numel()
+        numel = min(size - column, self.free_columns)
         end = column + numel
+        if flat_grad.numel() == size * world_size:   # no padding: every rank's columns in one copy
+            self.rows.narrow(1, self.filled, numel).copy_(flat_grad.view(world_size, size).narrow(1, column, numel))
+            self.pieces.append(SlabPiece(param, column, numel))
+            self.filled += numel
+            return numel
         for rank in range(world_size):
             start, real = rank_span(flat_grad.numel(), world_size, rank)
             row = self.rows[rank]
