@@ -40,9 +40,10 @@ receive buffer W times as many (a bucket that one rank owns whole).
 [Note: oversized gradients] A parameter larger than a bucket (a 50k-vocabulary embedding: 19.3M
 elements against the 4M cap) was a bucket of its own, and every scratch slot it used grew to its
 size for the rest of the run: on the vocab50k GPT (issue 33) a 77 MiB bucket slot, a receive
-buffer of up to 2 x 53 MiB and a 53 MiB sum, resident from the first backward on. Its gradient
-is reduced instead in pieces of at most `bucket_numel` elements, one reduction each, and a piece
-already in the communication dtype is sent from the gradient itself: no bucket copy at all.
+buffer of 2 x 50 MiB and a 50 MiB sum, resident from the first backward on (run.py's model
+state 478 MiB; 316 now, DeepSpeed's 326). Its gradient is reduced instead in near-equal pieces
+of at most `bucket_numel` elements, one reduction each, and a piece already in the
+communication dtype is sent from the gradient itself: no bucket copy at all.
 The gradient is the hook's to consume (it is freed right after), so the reduction may scale or
 overwrite it in place; a piece that must change dtype is copied into a bucket slot as a bucket
 is. The pieces sum the same elements in the same order: the result is bitwise the same.
