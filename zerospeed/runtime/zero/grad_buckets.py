@@ -44,9 +44,10 @@ buffer of 2 x 50 MiB and a 50 MiB sum, resident from the first backward on (run.
 state 478 MiB; 316 now, DeepSpeed's 326). Its gradient is reduced instead in near-equal pieces
 of at most `bucket_numel` elements, one reduction each, and a piece already in the
 communication dtype is sent from the gradient itself: no bucket copy at all.
-The gradient is the hook's to consume (it is freed right after), so the reduction may scale or
-overwrite it in place; a piece that must change dtype is copied into a bucket slot as a bucket
-is. The pieces sum the same elements in the same order: the result is bitwise the same.
+The reduction may scale or overwrite the gradient in place: at stage 2 it is the hook's to
+consume (freed right after), at stage 1 with `overlap_comm` it is the accumulation buffer, whose
+slices of other ranks the step never reads (as in [Note: slabs in place]). A piece that must
+change dtype is copied into a bucket slot as a bucket is. The pieces sum the same elements in the same order: the result is bitwise the same.
 
 Either way a step sends the trainable gradient volume once per reduction (the comms logger counts
 each bucket's input) and, with `overlap_comm`, runs asynchronously while backward continues: two
@@ -376,8 +377,8 @@ class GradientBuckets:
 
     def _piece_send(self, piece: torch.Tensor) -> torch.Tensor:
         """What a piece of an oversized gradient is reduced from: the gradient's own elements (the
-        reduction may scale or overwrite them in place: the hook frees the gradient after this)
-        or, to change dtype, a copy in a bucket slot (without `contiguous_gradients`, a fresh one)."""
+        reduction may scale or overwrite them in place, [Note: oversized gradients]) or, to change
+        dtype, a copy in a bucket slot (without `contiguous_gradients`, a fresh one)."""
         if piece.dtype == self.comm_dtype and piece.is_contiguous():
             return piece
         if not self.contiguous_gradients:
