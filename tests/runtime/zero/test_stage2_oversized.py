@@ -1,4 +1,4 @@
-"""Stage 2 with parameters larger than a bucket ([Note: oversized gradients] in grad_buckets.py).
+"""Stage 2 (and stage 1 with `overlap_comm`) with parameters larger than a bucket ([Note: oversized gradients] in grad_buckets.py).
 
 TinyLM's weights (66, 42 and 42 elements) are all larger than the 8-element buckets used here; its
 biases (7 and 6) fill buckets as usual. Each run is compared bit for bit with one that reduces
@@ -24,13 +24,16 @@ CASES = {
     "noncontiguous-overlap": {"contiguous_gradients": False, "overlap_comm": True},
     "fp16-communication": {"communication_dtype": torch.float16},
     "bf16-communication-overlap": {"communication_dtype": torch.bfloat16, "overlap_comm": True},
+    # stage 1 buckets its boundary backward with overlap_comm: the pieces overwrite its flat buffer
+    "stage1-overlap": {"stage": 1, "overlap_comm": True},
+    "stage1-overlap-all-reduce": {"stage": 1, "overlap_comm": True, "reduce_scatter": False},
 }
 
 
 def _trained(bucket, zero):
     zero = dict(zero)
     precision = PrecisionSettings(communication_dtype=zero.pop("communication_dtype", torch.float32))
-    model, optimizer = _build(2, precision=precision, reduce_bucket_size=bucket, **zero)
+    model, optimizer = _build(zero.pop("stage", 2), precision=precision, reduce_bucket_size=bucket, **zero)
     losses, _ = _train(model, optimizer, gas=2, num_steps=3)
     params = {name: param.detach().clone() for name, param in model.named_parameters()}
     reducer = optimizer.reducer
