@@ -9,7 +9,9 @@ with each probed function wrapped: on entry and exit the wrapper reads the kerne
 mark (VmHWM) and resets it (benchmarks/memory.py), so every active frame, the three phases
 included, learns the exact peak over its own duration, nested calls too. Printed for rank 0, per
 probe: calls, RSS at entry of the call with the highest peak, that peak, and the difference (what
-the call added on top of what it found). Probing costs time; the figures here are memory only.
+the call added on top of what it found), and the most glibc's heap grew inside one call (freed heap
+stays resident: growth without live tensors is RSS that no tensor accounts for; issue 33).
+Probing costs time; the figures here are memory only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import harness
-from memory import PeakRss
+from memory import PeakRss, malloc_heap_mib
 
 # module:qualname, patched where callers look them up
 DEFAULT_PROBES = [
@@ -53,6 +55,7 @@ class Frames:
         self.rss = PeakRss()
         self.stack: list[list[float]] = []  # [peak MiB] per active frame
         self.records: dict[str, tuple[int, float, float]] = {}  # name -> (calls, entry MiB, peak MiB)
+        self.heap_growth: dict[str, float] = {}                  # name -> most heap MiB added by one call
 
     def _current_mib(self) -> float:
         with open("/proc/self/status") as handle:
@@ -66,13 +69,16 @@ class Frames:
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._observe()
-        entry = self._current_mib()
+        entry, heap = self._current_mib(), malloc_heap_mib()
         self.stack.append([entry])
         try:
             return fn(*args, **kwargs)
         finally:
             self._observe()
             peak = self.stack.pop()[0]
+            heap_after = malloc_heap_mib()
+            if heap is not None and heap_after is not None:
+                self.heap_growth[name] = max(self.heap_growth.get(name, 0.0), heap_after[0] - heap[0])
             calls, best_entry, best_peak = self.records.get(name, (0, 0.0, 0.0))
             if peak - entry > best_peak - best_entry:
                 best_entry, best_peak = entry, peak
@@ -119,9 +125,14 @@ def _worker(rank: int, spec: harness.RunSpec, probes: list[str], init_file: str)
         FRAMES.call("[step]", step)
     if rank == 0:
         print(f"{spec.label} on {spec.model}, rank 0, {spec.steps} steps: peak RSS MiB inside each probe")
-        print("| probe | calls | RSS at entry | peak | added |\n|---|---|---|---|---|")
+        print("| probe | calls | RSS at entry | peak | added | heap grown |\n|---|---|---|---|---|---|")
         for name, (calls, entry, peak) in FRAMES.records.items():
-            print(f"| {name} | {calls} | {entry:.0f} | {peak:.0f} | {peak - entry:+.0f} |")
+            grown = FRAMES.heap_growth.get(name)
+            grown_text = "" if grown is None else f"{grown:+.0f}"
+            print(f"| {name} | {calls} | {entry:.0f} | {peak:.0f} | {peak - entry:+.0f} | {grown_text} |")
+        heap = malloc_heap_mib()
+        if heap is not None:
+            print(f"glibc heap after the last step: {heap[0]:.0f} MiB, of it free (resident) {heap[1]:.0f} MiB")
     dist.barrier()
     os._exit(0)
 

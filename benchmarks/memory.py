@@ -84,6 +84,24 @@ def live_tensor_mib() -> tuple[float, float]:
     return resident / _MIB, allocated / _MIB
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_heap_mib() -> tuple[float, float] | None:
+    """(heap MiB, free MiB inside it) over all of glibc's arenas (mallinfo2, glibc >= 2.33), or
+    None elsewhere. Freed heap stays resident until glibc trims it: a heap that grows while its
+    live part does not is RSS no tensor accounts for (issue 33: gloo's all-gather staging)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.arena / _MIB, info.fordblks / _MIB
+
+
 class StateProbe:
     """Takes `live_tensor_mib()` once, at its first call after `arm()` (a step post-hook of the
     torch optimizer)."""

@@ -53,3 +53,31 @@ def test_reduce_scatter_rows_gives_each_rank_its_row_of_the_sum():
     for mine, expected, in_place in run_on_ranks(_rows, 2):
         assert in_place  # the harness runs gloo
         assert torch.equal(mine, expected)
+
+
+def _gathered_rows(members):
+    """Rows [group size, 4] narrowed to 3 of 4 columns (rows contiguous, the whole not): each
+    member's own row holds its shard, the rest garbage; afterwards every member holds every shard.
+    The group is `members` (global ranks), so each row's source is a global rank other than its index."""
+    rank = torch.distributed.get_rank()
+    group = torch.distributed.new_group(members)
+    if rank not in members:
+        return None
+    index = members.index(rank)
+    full = torch.full((len(members), 4), float(rank + 100))
+    full[index, :3] = torch.tensor([-0.0, float("nan"), 1.5]) * (index + 1)
+    rows = full.narrow(1, 0, 3)
+    comm.all_gather_rows_in_place(rows, group=group)
+    expected = torch.stack([torch.tensor([-0.0, float("nan"), 1.5]) * (i + 1) for i in range(len(members))])
+    return rows.view(torch.int32), expected.view(torch.int32), full[:, 3].clone()
+
+
+@pytest.mark.parametrize("members", [[0, 1], [1, 2]])
+def test_all_gather_rows_in_place_fills_every_row_bitwise(members):
+    results = run_on_ranks(_gathered_rows, 3, members)
+    for rank, result in enumerate(results):
+        if rank not in members:
+            continue
+        gathered, expected, untouched = result
+        assert torch.equal(gathered, expected)
+        assert torch.equal(untouched, torch.full((len(members),), float(rank + 100)))   # columns outside

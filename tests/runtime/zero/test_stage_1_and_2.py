@@ -470,7 +470,8 @@ def test_an_unimplemented_option_warns():
 # --- reused stage-2 scratch ([Note: stage-2 scratch reuse] in grad_buckets.py) ---------------------
 
 def _scratch_after_steps(overlap_comm):
-    model, optimizer = _build(2, reduce_bucket_size=8, overlap_comm=overlap_comm)
+    # the largest parameter fits a bucket (no piecewise reduction) and the 163 elements make >= 3 buckets
+    model, optimizer = _build(2, reduce_bucket_size=VOCAB * DIM, overlap_comm=overlap_comm)
     _train(model, optimizer, gas=2, num_steps=1)
     first = optimizer.buckets.scratch_buffers()          # held: a fresh buffer cannot take their address
     _train(model, optimizer, gas=2, num_steps=2)

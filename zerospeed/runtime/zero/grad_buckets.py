@@ -33,7 +33,21 @@ buckets live for the run, faulted ~0-8k (issue 33). So each of the three comes f
 slot 0 each backward: the reduction that last used a slot is at least `MAX_OUTSTANDING + 1`
 submissions old, so the in-flight bound has already finished it. A slot grows to the largest use it has seen and then
 stays: one bucket's worth of each scratch lives for the run (three with `overlap_comm`), what
-was transiently resident at every bucket before.
+was transiently resident at every bucket before. No use exceeds a bucket ([Note: oversized
+gradients]): the bucket slot holds at most `bucket_numel` elements, the sum as many, the
+receive buffer W times as many (a bucket that one rank owns whole).
+
+[Note: oversized gradients] A parameter larger than a bucket (a 50k-vocabulary embedding: 19.3M
+elements against the 4M cap) was a bucket of its own, and every scratch slot it used grew to its
+size for the rest of the run: on the vocab50k GPT (issue 33) a 77 MiB bucket slot, a receive
+buffer of 2 x 50 MiB and a 50 MiB sum, resident from the first backward on (run.py's model
+state 478 MiB; 316 now, DeepSpeed's 326). Its gradient is reduced instead in near-equal pieces
+of at most `bucket_numel` elements, one reduction each, and a piece already in the
+communication dtype is sent from the gradient itself: no bucket copy at all.
+The reduction may scale or overwrite the gradient in place: at stage 2 it is the hook's to
+consume (freed right after), at stage 1 with `overlap_comm` it is the accumulation buffer, whose
+slices of other ranks the step never reads (as in [Note: slabs in place]). A piece that must
+change dtype is copied into a bucket slot as a bucket is. The pieces sum the same elements in the same order: the result is bitwise the same.
 
 Either way a step sends the trainable gradient volume once per reduction (the comms logger counts
 each bucket's input) and, with `overlap_comm`, runs asynchronously while backward continues: two
@@ -315,9 +329,12 @@ class GradientBuckets:
         if self._entries and self._filled + numel > self.bucket_numel:
             self._reduce_bucket()
         flat = grad.detach().reshape(-1)
+        if numel > self.bucket_numel:
+            self._reduce_oversized(group_index, param_index, flat)
+            return
         if self.contiguous_gradients:
             if self._buffer is None:
-                self._buffer = self._bucket_slots.take(max(self.bucket_numel, numel), self.comm_dtype, grad.device)
+                self._buffer = self._bucket_slots.take(self.bucket_numel, self.comm_dtype, grad.device)
             end = self._buffer.numel() - self._filled       # [Note: buckets fill from the end]
             self._buffer.narrow(0, end - numel, numel).copy_(flat)
         else:
@@ -345,6 +362,43 @@ class GradientBuckets:
         # end]); its buffer is a reused slot ([Note: stage-2 scratch reuse]).
         self.reducer.reduce_to_owners(self._take_flat(), slices, self.accumulate)
         self._open_bucket()
+
+    def _reduce_oversized(self, group_index: int, param_index: int, flat: torch.Tensor) -> None:
+        """[Note: oversized gradients] A gradient larger than a bucket, reduced in near-equal pieces
+        of at most `bucket_numel` elements (no small tail collective), each sent from the gradient
+        itself when it is already in the communication dtype. Called with no bucket open."""
+        numel = flat.numel()
+        num_pieces = -(-numel // self.bucket_numel)
+        bounds = [index * numel // num_pieces for index in range(num_pieces + 1)]
+        for start, end in zip(bounds, bounds[1:]):
+            slices = self._piece_slices(group_index, param_index, start, end - start)
+            self.reducer.reduce_to_owners(self._piece_send(flat.narrow(0, start, end - start)), slices,
+                                          self.accumulate)
+
+    def _piece_send(self, piece: torch.Tensor) -> torch.Tensor:
+        """What a piece of an oversized gradient is reduced from: the gradient's own elements (the
+        reduction may scale or overwrite them in place, [Note: oversized gradients]) or, to change
+        dtype, a copy in a bucket slot (without `contiguous_gradients`, a fresh one)."""
+        if piece.dtype == self.comm_dtype and piece.is_contiguous():
+            return piece
+        if not self.contiguous_gradients:
+            return piece.to(self.comm_dtype, copy=True)
+        slot = self._bucket_slots.take(self.bucket_numel, self.comm_dtype, piece.device)
+        return slot.narrow(0, 0, piece.numel()).copy_(piece)
+
+    def _piece_slices(self, group_index: int, param_index: int, start: int, numel: int) -> list[OwnedSlice]:
+        """Every owner's slice of elements [start, start + numel) of one parameter, in piece order."""
+        slices = []
+        for dp_rank, frag in self.owners[group_index][param_index]:
+            low, high = max(frag.param_start, start), min(frag.param_start + frag.numel, start + numel)
+            if low >= high:
+                continue
+            dest = None
+            if dp_rank == self.reducer.dp_rank:
+                dest = self.partitions[group_index].narrow(0, frag.partition_start + low - frag.param_start,
+                                                           high - low)
+            slices.append(OwnedSlice(dp_rank, low - start, high - low, dest))
+        return sorted(slices, key=lambda s: s.bucket_offset)
 
     def _take_flat(self) -> torch.Tensor:
         if not self.contiguous_gradients:
