@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 240.0
 _SKIP = "__skip__"
+_POLL_S = 1.0   # how often a waiting parent checks that every rank is alive
 
 
 class RankError(RuntimeError):
@@ -52,11 +55,19 @@ def _run_task(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, A
 
     torch.manual_seed(1234)
     try:
-        return "ok", fn(*args, **kwargs)
+        value = fn(*args, **kwargs)
     except BaseException as error:  # noqa: BLE001 - everything goes back to the parent
         if type(error).__name__ == "Skipped":
             return _SKIP, str(error)
         return "error", traceback.format_exc()
+    try:
+        # The queue pickles in a feeder thread that only prints a failure and drops the item, which
+        # left the parent waiting out the whole timeout: pickle here and report it as this rank's error.
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - any pickling failure is the test's error
+        return "error", f"{fn.__name__} returned a value that cannot be sent back " \
+                        f"({type(value).__name__}):\n{traceback.format_exc()}"
+    return "ok", value
 
 
 class _RankPool:
@@ -79,10 +90,15 @@ class _RankPool:
         for task_queue in self.task_queues:
             task_queue.put((fn, args, kwargs))
         outcomes: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
         while len(outcomes) < self.world_size:
             try:
-                rank, status, value = self.results.get(timeout=timeout_s)
+                # Short waits, so a rank that died without a result fails the test now, not at the deadline.
+                rank, status, value = self.results.get(timeout=_POLL_S)
             except queue.Empty:
+                self._check_alive(outcomes)
+                if time.monotonic() < deadline:
+                    continue
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 raise TimeoutError(f"{fn.__name__} timed out after {timeout_s:.0f}s on ranks {missing}") from None
             outcomes[rank] = (status, value)

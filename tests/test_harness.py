@@ -39,3 +39,31 @@ def test_rank_traceback_is_reraised_with_its_rank():
     with pytest.raises(RankError, match=r"rank 1 of 2 raised(.|\n)*boom from rank one"):
         run_on_ranks(_raise_on_rank_one, 2)
     assert [r[0] for r in run_on_ranks(_sum_of_ranks, 2)] == [0, 1]  # a fresh pool after the error
+
+
+def _return_a_lock():
+    import threading
+
+    return threading.Lock()   # cannot be pickled back to the parent
+
+
+def _die_on_rank_one():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    import time
+
+    time.sleep(45)   # rank 0 is busy (no collective to notice the death): only the parent can
+
+
+def test_an_unpicklable_result_is_the_ranks_error_not_a_timeout():
+    with pytest.raises(RankError, match=r"cannot be sent back \(lock\)"):
+        run_on_ranks(_return_a_lock, 2, timeout_s=60)
+
+
+def test_a_rank_that_dies_fails_the_call_before_the_timeout():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 died with exit code 3"):
+        run_on_ranks(_die_on_rank_one, 2, timeout_s=60)
+    assert time.monotonic() - start < 30   # not the 60 s deadline
