@@ -78,6 +78,25 @@ def test_gram_and_standard_agree_with_float64(shape: tuple[int, int]) -> None:
         torch.testing.assert_close(zeropower(g.float(), 5, method).double(), expected, rtol=0, atol=5e-6)
 
 
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_a_batch_of_matrices_is_each_matrix_alone(method: str) -> None:
+    """Leading dims (here two) are a batch: the fused batched products give each matrix's own result."""
+    torch.manual_seed(0)
+    batch = torch.randn(2, 3, 8, 20)
+    out = zeropower(batch, 5, method)
+    assert out.shape == batch.shape
+    for i in range(2):
+        for j in range(3):
+            torch.testing.assert_close(out[i, j], zeropower(batch[i, j], 5, method), rtol=0, atol=1e-6)
+
+
+def test_gram_takes_the_standard_iteration_on_a_square_matrix() -> None:
+    """A square Gram matrix is as large as the matrix: no saving, so "gram" runs "standard" (DeepSpeed's rule)."""
+    torch.manual_seed(0)
+    square = torch.randn(24, 24)
+    assert torch.equal(zeropower(square, 5, "gram"), zeropower(square, 5, "standard"))
+
+
 def test_conv_weights_are_one_matrix_and_3d_a_batch() -> None:
     torch.manual_seed(0)
     conv = torch.randn(6, 2, 3, 3)

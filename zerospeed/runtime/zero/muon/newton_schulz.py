@@ -19,7 +19,10 @@ Two methods give the same result in exact arithmetic (DeepSpeed's `ns_method`):
 - "gram": the iteration carried on the small Gram matrix R = XX^T (rows x rows) instead of X: each
   step's polynomial P = aI + bR + cR^2 is accumulated into Q (X_k = Q X_0) and R <- P R P, with X
   rebuilt once (after 2 steps) to keep the error of the long product bounded; cheaper when
-  cols >> rows.
+  cols >> rows. A square matrix runs "standard" under "gram" too, as DeepSpeed's: its Gram matrix is
+  as large as itself, so "gram" would only add the products of Q (about 20% more work).
+Each step's `aX + (bA + cA^2)X` is two fused `addmm`s (`baddbmm` on a batch): the scalings ride on
+BLAS's alpha / beta instead of full-size temporaries (within float32 rounding of the unfused form).
 
 Shapes: a 2-D matrix is one matrix; a 4-D weight (a convolution) is viewed as (out, in*kh*kw), the
 scale then taken from that view (DeepSpeed takes it from the kernel's last two dims: see
