@@ -10,6 +10,7 @@ import torch
 from zerospeed.runtime.optimizer_factory import build_basic_optimizer
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from zerospeed.runtime.zero.muon.newton_schulz import orthogonalize, zeropower
+from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import (
     assign_owners,
     exchange_plan,
@@ -232,3 +233,19 @@ def test_join_shards_inverts_autotp_sharding(dim: int, fused_parts: int) -> None
     pieces = [shard_of(full, shard) for shard in shards]
     assert full_shape(tuple(pieces[0].shape), shards[0]) == (12, 18)
     assert torch.equal(join_shards(pieces, shards[0]), full)
+
+
+def test_owner_exchange_returns_each_matrix_and_zeros_elsewhere() -> None:
+    """One rank, no process group: a flat buffer with padding before, between and after two
+    matrices gets each matrix's O in place and exact zeros everywhere else."""
+    torch.manual_seed(0)
+    shapes, offsets = [(3, 5), (4, 4)], [2, 20]
+    orthogonalizer = OwnerOrthogonalizer(flat_partition_specs(shapes, offsets, 40, 1), group=None)
+    update = torch.randn(40)
+    out = orthogonalizer(update, 5, "gram")
+    for shape, offset in zip(shapes, offsets):
+        numel = math.prod(shape)
+        expected = orthogonalize(update[offset:offset + numel], shape, 5, "gram")
+        assert torch.equal(out[offset:offset + numel], expected)
+    gaps = torch.cat([out[:2], out[17:20], out[36:]])
+    assert torch.equal(gaps, torch.zeros(9))
