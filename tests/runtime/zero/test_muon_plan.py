@@ -32,6 +32,23 @@ def test_owners_balanced_by_cost_and_deterministic() -> None:
     assert sorted(set(assign_owners(shapes, 8))) == list(range(6))   # more ranks than matrices: one each
 
 
+def test_owners_prefer_the_rank_holding_the_matrix_within_an_even_share() -> None:
+    """ZeRO 1/2's bench layout: blocks of a square and two 1x4 matrices, the first half of the flat
+    buffer on rank 0. Each rank owns what it holds (nothing crosses), at the same cost as plain
+    cost balancing, which sends half the matrices across."""
+    shapes = [(8, 8), (8, 32), (32, 8)] * 4
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    specs = flat_partition_specs(shapes, offsets, sum(math.prod(s) for s in shapes) // 2, 2)
+    held = [[sum(p.numel for p in spec.pieces if p.rank == r) for r in range(2)] for spec in specs]
+    owners = assign_owners(shapes, 2, held)
+    assert owners == [0] * 6 + [1] * 6
+    loads = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
+    assert loads[0] == loads[1]
+    assert assign_owners(shapes, 2) != owners   # without `held`: cost alone
+    even = [[math.prod(s) // 2] * 2 for s in shapes]   # stage 3: every matrix split evenly
+    assert assign_owners(shapes, 2, even) == assign_owners(shapes, 2)
+
+
 def _cover(specs, world_size, buffer_numel):  # every matrix element exactly once, buffers disjoint
     for spec in specs:
         seen = torch.zeros(spec.numel, dtype=torch.int32)

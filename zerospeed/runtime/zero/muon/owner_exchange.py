@@ -34,7 +34,9 @@ class OwnerOrthogonalizer:
         self.device = device   # where the exchange runs (None: the update's own device)
         self.group = group
         self.world_size = comm.get_world_size(group)
-        self.owners = assign_owners([spec.shape for spec in specs], self.world_size)
+        held = [[sum(piece.numel for piece in spec.pieces if piece.rank == rank) for rank in range(self.world_size)]
+                for spec in specs]
+        self.owners = assign_owners([spec.shape for spec in specs], self.world_size, held)
         self.plan = exchange_plan(specs, self.owners, comm.get_rank(group), self.world_size)
         self.matrices = matrices if matrices is not None else LocalMatrices([spec.shape for spec in specs])
 
