@@ -10,6 +10,7 @@ import torch
 from zerospeed.runtime.optimizer_factory import build_basic_optimizer
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from zerospeed.runtime.zero.muon.newton_schulz import orthogonalize, zeropower
+from zerospeed.runtime.zero.muon.owner_exchange import OwnerOrthogonalizer
 from zerospeed.runtime.zero.muon.owner_plan import (
     assign_owners,
     exchange_plan,
@@ -29,6 +30,23 @@ def test_owners_balanced_by_cost_and_deterministic() -> None:
     assert max(loads) - min(loads) <= max(ns_cost(s) for s in shapes)
     assert assign_owners(shapes, 1) == [0] * len(shapes)
     assert sorted(set(assign_owners(shapes, 8))) == list(range(6))   # more ranks than matrices: one each
+
+
+def test_owners_prefer_the_rank_holding_the_matrix_within_an_even_share() -> None:
+    """ZeRO 1/2's bench layout: blocks of a square and two 1x4 matrices, the first half of the flat
+    buffer on rank 0. Each rank owns what it holds (nothing crosses), at the same cost as plain
+    cost balancing, which sends half the matrices across."""
+    shapes = [(8, 8), (8, 32), (32, 8)] * 4
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    specs = flat_partition_specs(shapes, offsets, sum(math.prod(s) for s in shapes) // 2, 2)
+    held = [[sum(p.numel for p in spec.pieces if p.rank == r) for r in range(2)] for spec in specs]
+    owners = assign_owners(shapes, 2, held)
+    assert owners == [0] * 6 + [1] * 6
+    loads = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
+    assert loads[0] == loads[1]
+    assert assign_owners(shapes, 2) != owners   # without `held`: cost alone
+    even = [[math.prod(s) // 2] * 2 for s in shapes]   # stage 3: every matrix split evenly
+    assert assign_owners(shapes, 2, even) == assign_owners(shapes, 2)
 
 
 def _cover(specs, world_size, buffer_numel):  # every matrix element exactly once, buffers disjoint
@@ -76,6 +94,25 @@ def test_gram_and_standard_agree_with_float64(shape: tuple[int, int]) -> None:
     expected = x.T if shape[0] > shape[1] else x
     for method in ("gram", "standard"):
         torch.testing.assert_close(zeropower(g.float(), 5, method).double(), expected, rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_a_batch_of_matrices_is_each_matrix_alone(method: str) -> None:
+    """Leading dims (here two) are a batch: the fused batched products give each matrix's own result."""
+    torch.manual_seed(0)
+    batch = torch.randn(2, 3, 8, 20)
+    out = zeropower(batch, 5, method)
+    assert out.shape == batch.shape
+    for i in range(2):
+        for j in range(3):
+            torch.testing.assert_close(out[i, j], zeropower(batch[i, j], 5, method), rtol=0, atol=1e-6)
+
+
+def test_gram_takes_the_standard_iteration_on_a_square_matrix() -> None:
+    """A square Gram matrix is as large as the matrix: no saving, so "gram" runs "standard" (DeepSpeed's rule)."""
+    torch.manual_seed(0)
+    square = torch.randn(24, 24)
+    assert torch.equal(zeropower(square, 5, "gram"), zeropower(square, 5, "standard"))
 
 
 def test_conv_weights_are_one_matrix_and_3d_a_batch() -> None:
@@ -213,3 +250,19 @@ def test_join_shards_inverts_autotp_sharding(dim: int, fused_parts: int) -> None
     pieces = [shard_of(full, shard) for shard in shards]
     assert full_shape(tuple(pieces[0].shape), shards[0]) == (12, 18)
     assert torch.equal(join_shards(pieces, shards[0]), full)
+
+
+def test_owner_exchange_returns_each_matrix_and_zeros_elsewhere() -> None:
+    """One rank, no process group: a flat buffer with padding before, between and after two
+    matrices gets each matrix's O in place and exact zeros everywhere else."""
+    torch.manual_seed(0)
+    shapes, offsets = [(3, 5), (4, 4)], [2, 20]
+    orthogonalizer = OwnerOrthogonalizer(flat_partition_specs(shapes, offsets, 40, 1), group=None)
+    update = torch.randn(40)
+    out = orthogonalizer(update, 5, "gram")
+    for shape, offset in zip(shapes, offsets):
+        numel = math.prod(shape)
+        expected = orthogonalize(update[offset:offset + numel], shape, 5, "gram")
+        assert torch.equal(out[offset:offset + numel], expected)
+    gaps = torch.cat([out[:2], out[17:20], out[36:]])
+    assert torch.equal(gaps, torch.zeros(9))

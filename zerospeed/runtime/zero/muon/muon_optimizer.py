@@ -109,7 +109,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         orthos = by_group(updates, steps, method) if by_group is not None else \
             [self._orthogonalize(p, u, steps, method) for p, u in zip(group["params"], updates)]
         for param, ortho in zip(group["params"], orthos):
-            param.mul_(1 - group["lr"] * group["weight_decay"])
+            if group["weight_decay"]:   # a pass over the parameter that is a no-op (x 1.0) without decay
+                param.mul_(1 - group["lr"] * group["weight_decay"])
             param.add_(ortho.view_as(param).to(param.dtype), alpha=-group["lr"])
 
     def _orthogonalize(self, param: torch.Tensor, update: torch.Tensor, steps: int, method: str) -> torch.Tensor:

@@ -19,7 +19,10 @@ Two methods give the same result in exact arithmetic (DeepSpeed's `ns_method`):
 - "gram": the iteration carried on the small Gram matrix R = XX^T (rows x rows) instead of X: each
   step's polynomial P = aI + bR + cR^2 is accumulated into Q (X_k = Q X_0) and R <- P R P, with X
   rebuilt once (after 2 steps) to keep the error of the long product bounded; cheaper when
-  cols >> rows.
+  cols >> rows. A square matrix runs "standard" under "gram" too, as DeepSpeed's: its Gram matrix is
+  as large as itself, so "gram" would only add the products of Q (about 20% more work).
+Each step's `aX + (bA + cA^2)X` is two fused `addmm`s (`baddbmm` on a batch): the scalings ride on
+BLAS's alpha / beta instead of full-size temporaries (within float32 rounding of the unfused form).
 
 Shapes: a 2-D matrix is one matrix; a 4-D weight (a convolution) is viewed as (out, in*kh*kw), the
 scale then taken from that view (DeepSpeed takes it from the kernel's last two dims: see
@@ -54,17 +57,29 @@ def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _addmm(base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, beta: float = 1.0,
+           alpha: float = 1.0) -> torch.Tensor:
+    """beta * base + alpha * left @ right in one BLAS call (no scaled temporaries); 2-D or a 3-D batch."""
+    if base.dim() == 2:
+        return torch.addmm(base, left, right, beta=beta, alpha=alpha)
+    return torch.baddbmm(base, left, right, beta=beta, alpha=alpha)
+
+
+def _polynomial(gram: torch.Tensor) -> torch.Tensor:
+    """Z = bR + cR^2 (the step's polynomial P = aI + Z, its aI folded into the products' beta)."""
+    _, b, c = NS_COEFFICIENTS
+    return _addmm(gram, gram, gram, beta=b, alpha=c)
+
+
 def _standard(x: torch.Tensor, steps: int) -> torch.Tensor:
-    a, b, c = NS_COEFFICIENTS
+    a = NS_COEFFICIENTS[0]
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = _addmm(x, _polynomial(x @ x.mT), x, beta=a)   # X <- aX + ZX
     return x
 
 
 def _gram(x: torch.Tensor, steps: int) -> torch.Tensor:
-    a, b, c = NS_COEFFICIENTS
-    eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
+    a = NS_COEFFICIENTS[0]
     gram = x @ x.mT
     product: torch.Tensor | None = None   # Q: X_k = Q X (None: the identity)
     for step in range(steps):
@@ -72,10 +87,16 @@ def _gram(x: torch.Tensor, steps: int) -> torch.Tensor:
             x = product @ x
             gram = x @ x.mT
             product = None
-        poly = a * eye + b * gram + c * (gram @ gram)
-        product = poly if product is None else poly @ product
+        poly = _polynomial(gram)
+        if product is None:
+            product = poly.clone()   # Q = P = aI + Z (poly stays Z: the update of R below uses it)
+            product.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            product = _addmm(product, poly, product, beta=a)   # Q <- PQ = aQ + ZQ
         if step < steps - 1 and step + 1 != _GRAM_RESTART_STEP:
-            gram = poly @ (poly @ gram)   # P commutes with R: R_{k+1} = P R P = P^2 R
+            # P commutes with R: R_{k+1} = P R P = P(PR), each factor aY + ZY
+            half = _addmm(gram, poly, gram, beta=a)
+            gram = _addmm(half, poly, half, beta=a)
     return x if product is None else product @ x
 
 
@@ -84,12 +105,18 @@ def zeropower(update: torch.Tensor, steps: int, method: str = "gram") -> torch.T
     if method not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}")
     x = update.to(torch.float32)
+    batch_shape = x.shape[:-2]
+    if x.dim() > 3:
+        x = x.reshape(-1, *x.shape[-2:])   # one batch dim: torch.baddbmm's
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + _NORM_EPS)
-    x = _standard(x, steps) if method == "standard" else _gram(x, steps)
-    return x.mT if tall else x
+    # a square matrix gains nothing from "gram" (its Gram matrix is as large): "standard", as DeepSpeed
+    square = x.size(-2) == x.size(-1)
+    x = _standard(x, steps) if method == "standard" or square else _gram(x, steps)
+    x = x.mT if tall else x
+    return x.reshape(*batch_shape, *x.shape[-2:])
 
 
 def orthogonalize(update: torch.Tensor, shape: tuple[int, ...], steps: int = 5,
@@ -102,10 +129,10 @@ def orthogonalize(update: torch.Tensor, shape: tuple[int, ...], steps: int = 5,
         shape = _head_blocks(shape, head_dim)
     view = matrix_view_shape(shape)
     rows, cols = view[-2], view[-1]
-    result = zeropower(update.reshape(view), steps, method)
+    result = zeropower(update.reshape(view), steps, method).reshape(-1)
     if rows > cols:
-        result = result * math.sqrt(rows / cols)
-    return result.reshape(-1)
+        result.mul_(math.sqrt(rows / cols))   # result is fresh (never `update` itself): in place
+    return result
 
 
 def _head_blocks(shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:

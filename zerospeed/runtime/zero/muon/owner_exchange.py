@@ -34,7 +34,9 @@ class OwnerOrthogonalizer:
         self.device = device   # where the exchange runs (None: the update's own device)
         self.group = group
         self.world_size = comm.get_world_size(group)
-        self.owners = assign_owners([spec.shape for spec in specs], self.world_size)
+        held = [[sum(piece.numel for piece in spec.pieces if piece.rank == rank) for rank in range(self.world_size)]
+                for spec in specs]
+        self.owners = assign_owners([spec.shape for spec in specs], self.world_size, held)
         self.plan = exchange_plan(specs, self.owners, comm.get_rank(group), self.world_size)
         self.matrices = matrices if matrices is not None else LocalMatrices([spec.shape for spec in specs])
 
@@ -53,16 +55,32 @@ class OwnerOrthogonalizer:
         plan = self.plan
         outgoing = _pack(plan.send, update, lambda index, piece: piece.buffer_offset)
         incoming = self._all_to_all(outgoing, plan.receive_numels(), plan.send_numels())
-        matrices = {index: torch.empty(self.specs[index].numel, dtype=torch.float32, device=update.device)
-                    for index in plan.owned}
-        _unpack(plan.receive, incoming, lambda index, piece: matrices[index].narrow(0, piece.matrix_offset,
-                                                                                      piece.numel))
-        results = self.matrices(matrices, steps, method)
+        results = self.matrices(self._assemble(incoming), steps, method)
         returning = _pack_results(plan.receive, results, update.device)
         back = self._all_to_all(returning, plan.send_numels(), plan.receive_numels())
-        out = torch.zeros(update.numel(), dtype=torch.float32, device=update.device)
+        out = torch.empty(update.numel(), dtype=torch.float32, device=update.device)
         _unpack(plan.send, back, lambda index, piece: out.narrow(0, piece.buffer_offset, piece.numel))
+        for start, length in _gaps(plan.send, update.numel()):
+            out.narrow(0, start, length).zero_()   # padding and the other param groups' elements
         return out
+
+    def _assemble(self, incoming: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each owned matrix's flat elements from the received pieces. A matrix that arrived whole,
+        in one piece, is used where it lies (Newton-Schulz only reads it); the others are joined."""
+        matrices: dict[int, torch.Tensor] = {}
+        offset = 0
+        for pieces in self.plan.receive:
+            for index, piece in pieces:
+                data = incoming.narrow(0, offset, piece.numel)
+                offset += piece.numel
+                numel = self.specs[index].numel
+                if piece.numel == numel:
+                    matrices[index] = data
+                    continue
+                if index not in matrices:
+                    matrices[index] = torch.empty(numel, dtype=torch.float32, device=incoming.device)
+                matrices[index].narrow(0, piece.matrix_offset, piece.numel).copy_(data)
+        return matrices
 
     def _all_to_all(self, outgoing: torch.Tensor, receive_numels: list[int],
                     send_numels: list[int]) -> torch.Tensor:
@@ -113,6 +131,18 @@ def _pack(route: _Route, flat: torch.Tensor, offset_of: Any) -> torch.Tensor:
 def _pack_results(route: _Route, results: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
     parts = [results[index].narrow(0, piece.matrix_offset, piece.numel) for pieces in route for index, piece in pieces]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _gaps(route: _Route, numel: int) -> list[tuple[int, int]]:
+    """(start, length) of the elements of a flat buffer of `numel` that no piece of `route` covers."""
+    gaps, position = [], 0
+    for start, length in sorted((piece.buffer_offset, piece.numel) for pieces in route for _, piece in pieces):
+        if start > position:
+            gaps.append((position, start - position))
+        position = max(position, start + length)
+    if numel > position:
+        gaps.append((position, numel - position))
+    return gaps
 
 
 def _unpack(route: _Route, data: torch.Tensor, target_of: Any) -> None:

@@ -8,7 +8,10 @@ gets one owner rank. At the step each rank sends its pieces of the Muon input U 
 (one all-to-all), each owner rebuilds its matrices and orthogonalizes them, and the results go
 back the same way (a second all-to-all) into the ranks' partitions. Matrices are assigned largest
 first to the least-loaded rank (load = the matrix's Newton-Schulz cost), so owners do about the
-same work, and every rank derives the same plan from the same shapes without communicating.
+same work, and every rank derives the same plan from the same shapes without communicating. Where
+the pieces are uneven (stage 1/2: most matrices lie whole in one partition) a matrix goes instead to
+the rank holding most of it, as long as that rank stays within an even share of the total cost:
+those elements never travel, and the owners' work stays as even.
 
 A `MatrixSpec` is the whole geometry: the parameter's shape and, for every rank, the pieces of
 it that rank holds (offset in that rank's flat buffer, offset in the matrix, length).
@@ -47,17 +50,27 @@ def ns_cost(shape: tuple[int, ...]) -> int:
     return rows * cols * min(rows, cols)
 
 
-def assign_owners(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
-    """Owner rank of each matrix: largest cost first onto the least-loaded rank (ties: lower rank,
-    earlier matrix), so the plan is the same on every rank."""
+def assign_owners(shapes: list[tuple[int, ...]], world_size: int,
+                  held: list[list[int]] | None = None) -> list[int]:
+    """Owner rank of each matrix, the same on every rank: largest cost first onto the least-loaded
+    rank (ties: lower rank, earlier matrix). With `held` (`held[i][r]`: matrix i's elements already
+    in rank r's partition) a matrix goes to the rank holding most of it while that rank's load stays
+    within an even share of the total: those elements then never cross in the exchange (ZeRO 1/2's
+    contiguous partitions hold whole matrices, so most need not travel at all)."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    costs = [ns_cost(shape) for shape in shapes]
+    share = -(-sum(costs) // world_size)
     load = [0] * world_size
     owners = [0] * len(shapes)
-    for index in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
+    for index in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
         rank = min(range(world_size), key=lambda r: (load[r], r))
+        if held is not None:
+            holder = min(range(world_size), key=lambda r: (-held[index][r], load[r], r))
+            if held[index][holder] > 0 and load[holder] + costs[index] <= share:
+                rank = holder
         owners[index] = rank
-        load[rank] += ns_cost(shapes[index])
+        load[rank] += costs[index]
     return owners
 
 
