@@ -111,3 +111,16 @@ def reference_run(model: torch.nn.Module, data: list, muon: dict[str, float], ad
         adamw.step()
         model.zero_grad()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_ranks_match_reference(results: list, ref_losses: list[float], ref_params: dict, steps: int) -> None:
+    """Every rank's full parameters (`result[1]`) equal the reference's within 1e-5 (fp32 after
+    3 steps of Newton-Schulz), the ranks' mean losses (`result[0]`) equal its losses, and each
+    Muon matrix was orthogonalized exactly once per step across the ranks (`result[2]`)."""
+    for result in results:
+        for name, expected in ref_params.items():
+            torch.testing.assert_close(result[1][name], expected, rtol=0, atol=1e-5, msg=name)
+    world = len(results)
+    mean = [sum(r[0][i] for r in results) / world for i in range(steps)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert sum(r[2] for r in results) == steps * len(MUON_NAMES)

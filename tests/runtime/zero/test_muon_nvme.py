@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 from distributed import run_on_ranks
-from muon_models import MUON_NAMES, batches, config, make_model, reference_run
+from muon_models import assert_ranks_match_reference, batches, config, make_model, reference_run
 
 import zerospeed
 from zerospeed.runtime.zero.offload.aio_engine import aligned_bytes
@@ -140,12 +140,7 @@ def test_nvme_muon_equals_single_process_reference(stage, clip, accumulation, gr
     results = run_on_ranks(_nvme_run, WORLD, stage, str(tmp_path), clip, accumulation, groups, in_memory)
     data = batches(STEPS, MICRO * WORLD * accumulation)
     ref_losses, ref_params = reference_run(make_model(), data, MUON, ADAM, clip)
-    for _, params, _, _ in results:
-        for name, expected in ref_params.items():
-            torch.testing.assert_close(params[name], expected, rtol=0, atol=1e-5, msg=name)
-    mean = [sum(r[0][i] for r in results) / WORLD for i in range(STEPS)]
-    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert sum(r[2] for r in results) == STEPS * len(MUON_NAMES)
+    assert_ranks_match_reference(results, ref_losses, ref_params, STEPS)
     for files in (r[3] for r in results):
         muon, adam = files["muon_units"], files["adam_units"]
         assert muon and all(whole for _, whole, _ in muon) and not any(whole for _, whole, _ in adam)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_on_ranks
-from muon_models import MUON_NAMES, batches, config, make_model, reference_run
+from muon_models import MUON_NAMES, assert_ranks_match_reference, batches, config, make_model, reference_run
 
 import zerospeed
 from zerospeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
@@ -76,12 +76,7 @@ def _offloaded_run(stage: int, clip: float) -> tuple[list[float], dict, int, dic
 def test_offloaded_muon_equals_single_process_reference(stage: int, clip: float) -> None:
     results = run_on_ranks(_offloaded_run, WORLD, stage, clip)
     ref_losses, ref_params = reference_run(make_model(), batches(STEPS, MICRO * WORLD), MUON, ADAM, clip)
-    for _, params, _, _ in results:
-        for name, expected in ref_params.items():
-            torch.testing.assert_close(params[name], expected, rtol=0, atol=1e-5, msg=name)
-    mean = [sum(r[0][i] for r in results) / WORLD for i in range(STEPS)]
-    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert sum(r[2] for r in results) == STEPS * len(MUON_NAMES)
+    assert_ranks_match_reference(results, ref_losses, ref_params, STEPS)
     muon_numel = sum(make_model().get_parameter(name).numel() for name in MUON_NAMES)
     held = [r[3] for r in results]
     # Every Muon element has its momentum on the host (padding at stage 1/2 included), AdamW's too.
